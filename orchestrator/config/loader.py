@@ -1,0 +1,176 @@
+"""Resolve a job: dataclass defaults < configs/ presets the job names < job YAML < CLI.
+
+Every merge is done against the typed schema, so an error names the layer it came
+from (preset file, job file or command line) and the key path inside it.
+"""
+
+import difflib
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from orchestrator.config.schema import JobConfig
+from orchestrator.config.yamlsafe import load_yaml_mapping
+from orchestrator.errors import BadInput
+
+# Lightning's precision strings, accepted as names of our presets.
+PRESET_ALIASES = {
+    "32-true": "O0",
+    "32": "O0",
+    "16-mixed": "O1",
+    "16": "O1",
+    "16-true": "O3",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+    "bf16-true": "bf16-true",
+}
+
+
+def configs_dir() -> Path:
+    """The project's configs/ directory (next to the orchestrator package)."""
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def available_presets(section: str = "precision") -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / section).glob("*.yaml"))
+
+
+def _schema() -> DictConfig:
+    cfg = OmegaConf.structured(JobConfig)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _nearest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _allowed_keys(schema: DictConfig, full_key: str) -> list[str]:
+    node: Any = schema
+    for part in full_key.split(".")[:-1]:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
+    """Merge `layer` into `base`, turning OmegaConf's errors into BadInput naming `source`."""
+    try:
+        return OmegaConf.merge(base, layer)
+    except ConfigKeyError as exc:
+        full_key = str(exc.full_key or exc.key)
+        allowed = _allowed_keys(base, full_key)
+        leaf = full_key.rsplit(".", 1)[-1]
+        parent = full_key.rsplit(".", 1)[0] if "." in full_key else "the top level"
+        hint = _nearest(leaf, allowed)
+        raise BadInput(
+            f"{source}: unknown key '{full_key}'.{hint} Allowed keys in {parent}: {', '.join(allowed)}."
+        ) from None
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        first_line = str(exc).splitlines()[0]
+        where = f"key '{key}'" if key else "a section"
+        raise BadInput(f"{source}: {where}: {first_line}. Fix the value's type (see orchestrator/config/schema.py).") from None
+
+
+def _check_sections(data: dict, source: str) -> None:
+    sections = list(JobConfig.__dataclass_fields__)
+    for name, value in data.items():
+        if name not in sections:
+            raise BadInput(
+                f"{source}: unknown section '{name}'.{_nearest(str(name), sections)} "
+                f"Allowed sections: {', '.join(sections)}."
+            )
+        if value is not None and not isinstance(value, dict):
+            raise BadInput(f"{source}: section '{name}' must be a mapping of keys, got {value!r}.")
+
+
+def parse_overrides(overrides: Iterable[str]) -> DictConfig:
+    """`key.path=value` strings from the command line (values parsed as YAML)."""
+    items = list(overrides)
+    for item in items:
+        if "=" not in item or item.startswith("="):
+            raise BadInput(f"command line: override '{item}' is not of the form key.path=value (e.g. run.epochs=2).")
+    try:
+        return OmegaConf.from_dotlist(items)
+    except OmegaConfBaseException as exc:
+        raise BadInput(f"command line: cannot parse overrides {items}: {str(exc).splitlines()[0]}") from None
+
+
+def resolve_preset(name: str) -> str:
+    canonical = PRESET_ALIASES.get(name, name)
+    if not (configs_dir() / "precision" / f"{canonical}.yaml").is_file():
+        raise BadInput(
+            f"precision.preset: unknown preset '{name}'.{_nearest(name, available_presets())} "
+            f"Available: {', '.join(available_presets())} (or Lightning's {', '.join(PRESET_ALIASES)})."
+        )
+    return canonical
+
+
+def load_job(path: str | Path, overrides: Iterable[str] = (), base_dir: Optional[Path] = None) -> DictConfig:
+    """The fully resolved, validated job config (a read-only typed DictConfig).
+
+    Relative local paths (data.root, checkpoint.storage_path) are made absolute against
+    `base_dir` (default: the current directory), because workers run in other directories.
+    """
+    from orchestrator.config.validate import validate  # validate imports models/data registries
+
+    path = Path(path)
+    job = load_yaml_mapping(path)
+    _check_sections(job, str(path))
+    cli = parse_overrides(overrides)
+    _check_sections(OmegaConf.to_container(cli), "command line")
+
+    cfg = _schema()
+    preset: Optional[str] = OmegaConf.select(OmegaConf.merge(job, cli), "precision.preset")
+    if preset is not None:
+        canonical = resolve_preset(str(preset))
+        preset_file = configs_dir() / "precision" / f"{canonical}.yaml"
+        preset_data = load_yaml_mapping(preset_file, what="precision preset")
+        cfg = _merge(cfg, {"precision": preset_data}, str(preset_file))
+    cfg = _merge(cfg, job, str(path))
+    cfg = _merge(cfg, cli, "command line")
+    if preset is not None:
+        cfg.precision.preset = canonical
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise BadInput(
+            f"{path}: required value missing: {', '.join(missing)}. "
+            f"Set it in the job file or on the command line (e.g. {missing[0]}=...)."
+        )
+    validate(cfg, source=str(path))
+    _absolutize_paths(cfg, base_dir or Path.cwd())
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _absolutize_paths(cfg: DictConfig, base_dir: Path) -> None:
+    cfg.data.root = str((base_dir / cfg.data.root).resolve())
+    storage = cfg.checkpoint.storage_path or "ray_results"
+    if "://" not in storage:
+        storage = str((base_dir / storage).resolve())
+    cfg.checkpoint.storage_path = storage
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flatten(cfg: DictConfig) -> dict[str, str]:
+    """`section.key` -> value as text, the form MLflow params take."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            if not node and prefix:
+                out[prefix] = "{}"
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), value)
+        else:
+            out[prefix] = str(node)
+
+    walk("", OmegaConf.to_container(cfg, resolve=True))
+    return out

@@ -1,0 +1,153 @@
+"""The job schema: one typed dataclass per section, a doc line under each field.
+
+OmegaConf turns these into a strict structured config, so an unknown key or a
+value of the wrong type fails while loading, before Ray or MLflow is touched.
+Range checks that types cannot express live in `orchestrator.config.validate`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelSection:
+    name: str = MISSING
+    """Registry name (`simple_cnn`, `resnet18`) or an import path `package.module:Name`."""
+    num_classes: int = 10
+    """Size of the classifier's output layer."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the model's constructor."""
+
+
+@dataclass
+class DataSection:
+    name: str = MISSING
+    """Dataset: `cifar10` (torchvision), `digits` (scikit-learn, offline) or `synthetic`."""
+    root: str = "data"
+    """Where datasets are stored or downloaded to; relative paths are taken from submit's directory."""
+    download: bool = True
+    """Download CIFAR-10 into `root` when it is not there yet (needs internet)."""
+    augment: bool = True
+    """Training augmentation (random crop + horizontal flip for CIFAR-10)."""
+    loader_workers: int = 0
+    """DataLoader worker processes per Ray worker (0 loads in the training process)."""
+    synthetic_samples: int = 4096
+    """Number of random training samples for `synthetic` (throughput runs only)."""
+
+
+@dataclass
+class OptimSection:
+    name: str = "sgd"
+    """Optimizer: `sgd`, `adam` or `adamw`."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = False
+    """Use Nesterov momentum with SGD."""
+    weight_decay: float = 5e-4
+    """L2 penalty (SGD, Adam) or decoupled weight decay (AdamW)."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/AdamW beta1, beta2."""
+    eps: float = 1e-8
+    """Adam/AdamW epsilon."""
+    schedule: str = "none"
+    """Learning-rate schedule: `none`, `cosine` (to 0 over the run) or `onecycle`."""
+    warmup_fraction: float = 0.25
+    """Fraction of the run spent warming up under `onecycle`."""
+
+
+@dataclass
+class PrecisionSection:
+    preset: Optional[str] = None
+    """A preset in configs/precision/ (O0, O1, bf16-mixed, ...) or a Lightning alias (`16-mixed`)."""
+    compute_dtype: str = "float32"
+    """Autocast dtype: `float16`, `bfloat16`, or `float32` for no autocast."""
+    loss_scale: str = "dynamic"
+    """`dynamic` (GradScaler), `none`, or a fixed number; only used when computing in float16."""
+    init_scale: float = 65536.0
+    """GradScaler's initial scale."""
+    growth_factor: float = 2.0
+    """GradScaler multiplies the scale by this after `growth_interval` clean steps."""
+    backoff_factor: float = 0.5
+    """GradScaler multiplies the scale by this after a step with inf/nan gradients."""
+    growth_interval: int = 2000
+    """Clean steps between scale increases."""
+
+
+@dataclass
+class ScalingSection:
+    num_workers: int = 2
+    """Ray Train workers (DDP ranks)."""
+    use_gpu: bool = False
+    """Give each worker one GPU (NCCL backend); CPU workers use gloo."""
+    resources_per_worker: Dict[str, float] = field(default_factory=dict)
+    """Ray resources per worker, e.g. {CPU: 4, GPU: 1}; empty means Ray Train's default (1 CPU, plus 1 GPU with use_gpu)."""
+
+
+@dataclass
+class RunSection:
+    name: Optional[str] = None
+    """Name of the Ray Train run and the MLflow run; defaults to `<job file stem>-<timestamp>`."""
+    epochs: int = 1
+    """Passes over the training set."""
+    batch_size: int = 64
+    """Batch size per worker (the global batch is this times num_workers)."""
+    seed: int = 0
+    """Base seed; rank r seeds its RNGs with seed + r."""
+    eval_every_n_epochs: int = 1
+    """Evaluate on the held-out split every N epochs (and always after the last)."""
+    max_steps_per_epoch: Optional[int] = None
+    """Stop each epoch after this many steps (for smoke runs); None trains on the whole shard."""
+
+
+@dataclass
+class TrackingSection:
+    uri: Optional[str] = None
+    """MLflow tracking URI; else $MLFLOW_TRACKING_URI; else sqlite:///<submit dir>/mlflow.db."""
+    experiment: str = "ampflow"
+    """MLflow experiment the run is created in."""
+    log_every_n_steps: int = 10
+    """Report training metrics (and update the progress line) every N optimizer steps."""
+    log_model: bool = True
+    """Log the final fp32 model with mlflow.pytorch.log_model."""
+
+
+@dataclass
+class CheckpointSection:
+    every_n_epochs: int = 1
+    """Save a checkpoint every N epochs (and always after the last)."""
+    num_to_keep: int = 2
+    """Newest checkpoints kept in storage."""
+    storage_path: Optional[str] = None
+    """Ray Train storage (local dir or URI); defaults to <submit dir>/ray_results."""
+
+
+@dataclass
+class FailureSection:
+    max_failures: int = 0
+    """Worker-group restarts Ray Train may do before the job fails (-1: unlimited)."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    """What to train."""
+    data: DataSection = field(default_factory=DataSection)
+    """What to train on."""
+    optim: OptimSection = field(default_factory=OptimSection)
+    """Optimizer and learning-rate schedule."""
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    """Autocast dtype and loss scaling."""
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    """How many workers and what each gets."""
+    run: RunSection = field(default_factory=RunSection)
+    """Epochs, batch size, seed, evaluation cadence."""
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    """Where the MLflow run goes."""
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """When checkpoints are written and where."""
+    failure: FailureSection = field(default_factory=FailureSection)
+    """How many worker failures are retried."""

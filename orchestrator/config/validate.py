@@ -1,0 +1,47 @@
+"""Range and name checks the schema's types cannot express; each error names its key."""
+
+import math
+
+from omegaconf import DictConfig
+
+from orchestrator import data, models
+from orchestrator.errors import BadInput
+from orchestrator.precision.amp import AmpSettings
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("none", "cosine", "onecycle")
+
+
+def _require(ok: bool, source: str, key: str, message: str) -> None:
+    if not ok:
+        raise BadInput(f"{source}: {key}: {message}")
+
+
+def validate(cfg: DictConfig, source: str) -> None:
+    r = lambda ok, key, msg: _require(ok, source, key, msg)  # noqa: E731
+
+    r(cfg.scaling.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {cfg.scaling.num_workers}.")
+    for name, amount in cfg.scaling.resources_per_worker.items():
+        r(amount >= 0, f"scaling.resources_per_worker.{name}", f"must be >= 0, got {amount}.")
+    r(cfg.run.epochs >= 1, "run.epochs", f"must be >= 1, got {cfg.run.epochs}.")
+    r(cfg.run.batch_size >= 1, "run.batch_size", f"must be >= 1, got {cfg.run.batch_size}.")
+    r(cfg.run.eval_every_n_epochs >= 1, "run.eval_every_n_epochs", "must be >= 1.")
+    steps = cfg.run.max_steps_per_epoch
+    r(steps is None or steps >= 1, "run.max_steps_per_epoch", f"must be >= 1 or null, got {steps}.")
+
+    lr = cfg.optim.lr
+    r(math.isfinite(lr) and lr >= 0, "optim.lr", f"must be a finite number >= 0, got {lr}.")
+    r(cfg.optim.name in OPTIMIZERS, "optim.name", f"unknown optimizer '{cfg.optim.name}'. Use one of {', '.join(OPTIMIZERS)}.")
+    r(cfg.optim.schedule in SCHEDULES, "optim.schedule", f"unknown schedule '{cfg.optim.schedule}'. Use one of {', '.join(SCHEDULES)}.")
+    r(len(cfg.optim.betas) == 2, "optim.betas", "must be a list of two numbers [beta1, beta2].")
+    r(0 < cfg.optim.warmup_fraction < 1, "optim.warmup_fraction", "must be between 0 and 1.")
+
+    AmpSettings.from_config(cfg.precision)  # raises BadInput naming the precision key
+
+    r(cfg.tracking.log_every_n_steps >= 1, "tracking.log_every_n_steps", "must be >= 1.")
+    r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
+    r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")
+    r(cfg.failure.max_failures >= -1, "failure.max_failures", "must be >= 0, or -1 for unlimited.")
+
+    data.check_name(cfg.data.name)
+    models.resolve_factory(cfg.model.name)

@@ -1,0 +1,56 @@
+"""Load a job YAML file as plain data, refusing what a job file never needs.
+
+PyYAML's SafeLoader already refuses `!!python/...` tags. On top of it we refuse
+duplicate keys (the later one would silently win) and anchors/aliases (a job
+file has no use for them, and they make "billion laughs" expansion possible).
+"""
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.errors import BadInput
+
+
+class _StrictLoader(yaml.SafeLoader):
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent) or (
+            self.check_event(yaml.NodeEvent) and self.peek_event().anchor is not None
+        ):
+            mark = self.peek_event().start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, "anchors and aliases (&name / *name) are not allowed in job files", mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"duplicate key {key!r} (first defined on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_mapping(path: Path, what: str = "job file") -> dict:
+    """Parse `path` and return its top-level mapping (empty file -> {})."""
+    if not path.is_file():
+        raise BadInput(f"{what} not found: {path}. Check the path (it is relative to {Path.cwd()}).")
+    try:
+        data: Any = yaml.load(path.read_text(), Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{path}: not valid YAML for a {what}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise BadInput(
+            f"{path}: a {what} must be a mapping of sections (model:, data:, run:, ...), "
+            f"got a {type(data).__name__}."
+        )
+    return data

@@ -1,0 +1,138 @@
+"""Datasets by name, and the per-rank loaders the worker iterates.
+
+`cifar10` is downloaded by torchvision where the network allows; `digits` is
+scikit-learn's real 8x8 digits served as 3x32x32 so CIFAR models run unchanged;
+`synthetic` is random tensors, for throughput only.
+"""
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+from orchestrator.errors import BadInput, DataUnavailable
+
+NAMES = ("cifar10", "digits", "synthetic")
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+DIGITS_SPLIT_SEED = 0  # the digits split is fixed, whatever the job's seed
+DIGITS_TEST_FRACTION = 0.2
+
+
+def check_name(name: str) -> None:
+    if name not in NAMES:
+        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(NAMES)}.")
+
+
+def _cifar_files_present(root: Path) -> bool:
+    return (root / "cifar-10-batches-py" / "data_batch_1").is_file()
+
+
+def _cifar_unavailable(root: Path, reason: str) -> DataUnavailable:
+    return DataUnavailable(
+        f"data: CIFAR-10 is not in {root} and could not be downloaded ({reason}). "
+        f"On a machine with internet, run once: python -c \"import torchvision; "
+        f"torchvision.datasets.CIFAR10('{root}', download=True)\"; or download "
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz and extract it so that "
+        f"{root}/cifar-10-batches-py/data_batch_1 exists. Set data.root to use another directory."
+    )
+
+
+def ensure_available(data_cfg) -> None:
+    """Driver-side check before Ray starts: the dataset can be had (downloading it if allowed)."""
+    check_name(data_cfg.name)
+    if data_cfg.name != "cifar10":
+        return
+    root = Path(data_cfg.root)
+    if _cifar_files_present(root):
+        return
+    if not data_cfg.download:
+        raise _cifar_unavailable(root, "data.download is false")
+    from torchvision.datasets import CIFAR10
+
+    try:
+        CIFAR10(str(root), train=True, download=True)
+    except Exception as exc:  # network errors come in many types (URLError, socket, SSL)
+        raise _cifar_unavailable(root, f"{type(exc).__name__}: {exc}") from None
+
+
+def _cifar10(data_cfg) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms
+
+    root = Path(data_cfg.root)
+    if not _cifar_files_present(root):
+        raise _cifar_unavailable(root, "files missing on this worker's node")
+    normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)]
+    augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if data_cfg.augment else []
+    train = datasets.CIFAR10(str(root), train=True, transform=transforms.Compose(augment + normalize))
+    test = datasets.CIFAR10(str(root), train=False, transform=transforms.Compose(normalize))
+    return train, test
+
+
+def _digits() -> tuple[Dataset, Dataset]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32) / 16.0  # 0..16 -> 0..1
+    # 8x8 -> 32x32 by pixel repetition, grey -> 3 channels, then standardise.
+    images = images.repeat_interleave(4, dim=1).repeat_interleave(4, dim=2)
+    images = images.unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
+    images = (images - images.mean()) / images.std()
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    train_idx, test_idx = train_test_split(
+        torch.arange(len(labels)).numpy(),
+        test_size=DIGITS_TEST_FRACTION,
+        stratify=labels.numpy(),
+        random_state=DIGITS_SPLIT_SEED,
+    )
+    return (
+        TensorDataset(images[train_idx], labels[train_idx]),
+        TensorDataset(images[test_idx], labels[test_idx]),
+    )
+
+
+def _synthetic(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
+    generator = torch.Generator().manual_seed(1234)
+    n_train, n_eval = data_cfg.synthetic_samples, max(data_cfg.synthetic_samples // 8, 64)
+    x = torch.randn(n_train + n_eval, 3, 32, 32, generator=generator)
+    y = torch.randint(0, num_classes, (n_train + n_eval,), generator=generator)
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
+    check_name(data_cfg.name)
+    if data_cfg.name == "cifar10":
+        return _cifar10(data_cfg)
+    if data_cfg.name == "digits":
+        return _digits()
+    return _synthetic(data_cfg, num_classes)
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r of w gets indices r, r+w, r+2w, ...: every sample exactly once over all ranks.
+
+    Used for evaluation, where DistributedSampler's padding would count some samples twice.
+    """
+
+    def __init__(self, length: int, rank: int, world_size: int):
+        self.indices = range(rank, length, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def build_loaders(
+    train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
+    loader_workers: int, pin_memory: bool,
+) -> tuple[DataLoader, DataLoader, DistributedSampler]:
+    """Per-rank loaders; call `train_sampler.set_epoch(e)` each epoch for a fresh shuffle."""
+    train_sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    common = dict(batch_size=batch_size, num_workers=loader_workers, pin_memory=pin_memory,
+                  persistent_workers=loader_workers > 0)
+    train_loader = DataLoader(train, sampler=train_sampler, drop_last=False, **common)
+    test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), **common)
+    return train_loader, test_loader, train_sampler

@@ -1,0 +1,36 @@
+"""Build the TorchTrainer for a resolved job: scaling, run, failure and checkpoint configs."""
+
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from orchestrator.worker import train_loop
+
+
+def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,
+                  py_modules: Optional[list[Path]] = None) -> TorchTrainer:
+    scaling = ScalingConfig(
+        num_workers=cfg.scaling.num_workers,
+        use_gpu=cfg.scaling.use_gpu,
+        resources_per_worker=dict(cfg.scaling.resources_per_worker) or None,
+    )
+    run_config = RunConfig(
+        name=run_name,
+        storage_path=storage_path,
+        failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+        callbacks=callbacks,
+        # A model given by import path lives in the submit directory: ship it to every worker.
+        worker_runtime_env={"py_modules": [str(p) for p in py_modules]} if py_modules else None,
+    )
+    return TorchTrainer(
+        train_loop,
+        train_loop_config={"job": OmegaConf.to_container(cfg, resolve=True)},
+        scaling_config=scaling,
+        run_config=run_config,
+        # gloo on CPU, NCCL on GPU: Ray Train's default picks by device; we say it explicitly.
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+    )

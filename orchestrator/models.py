@@ -1,0 +1,129 @@
+"""Models by registry name or by import path `package.module:Name`.
+
+Import paths are resolved against the directory `submit` runs in; `launch`
+ships that module to the workers (Ray runtime_env `py_modules`).
+"""
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+from torch import nn
+
+from orchestrator.errors import BadInput
+
+
+class SimpleCNN(nn.Module):
+    """Two conv+pool blocks and two linear layers, for 3x32x32 inputs."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * width * 8 * 8, 128),
+            nn.ReLU(inplace=True),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def resnet18(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 adapted to 32x32 inputs: 3x3 stem, stride 1, no max-pool."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    model = tv_resnet18(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+REGISTRY: dict[str, Callable[..., nn.Module]] = {
+    "simple_cnn": SimpleCNN,
+    "resnet18": resnet18,
+}
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def import_module_from_cwd(module_name: str, where: str) -> ModuleType:
+    """Import `module_name` with the current directory first on sys.path."""
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BadInput(
+            f"{where}: cannot import module '{module_name}' ({exc}). The module must be importable "
+            f"from the directory you run submit in ({cwd})."
+        ) from None
+
+
+def resolve_factory(name: str, where: str = "model.name") -> Callable[..., nn.Module]:
+    if not is_import_path(name):
+        if name not in REGISTRY:
+            raise BadInput(
+                f"{where}: unknown model '{name}'. Use one of {', '.join(REGISTRY)} "
+                "or an import path like 'mypackage.models:MyNet'."
+            )
+        return REGISTRY[name]
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise BadInput(f"{where}: '{name}' is not of the form 'package.module:Name'.")
+    module = import_module_from_cwd(module_name, where)
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise BadInput(f"{where}: module '{module_name}' has no callable '{attr}'.")
+    return factory
+
+
+def _accepts(factory: Callable, arg: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == arg or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def build_model(model_cfg) -> nn.Module:
+    factory = resolve_factory(model_cfg.name)
+    kwargs = dict(model_cfg.kwargs)
+    if _accepts(factory, "num_classes"):
+        kwargs.setdefault("num_classes", model_cfg.num_classes)
+    try:
+        model = factory(**kwargs)
+    except TypeError as exc:
+        raise BadInput(f"model.kwargs: cannot build '{model_cfg.name}' with {kwargs}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise BadInput(f"model.name: '{model_cfg.name}' returned {type(model).__name__}, not a torch.nn.Module.")
+    return model
+
+
+def module_source(name: str) -> Path | None:
+    """The file or package directory to ship to workers for an import-path model.
+
+    None for registry models and for modules installed in the environment (workers have those).
+    """
+    if not is_import_path(name):
+        return None
+    top = name.partition(":")[0].split(".")[0]
+    module = import_module_from_cwd(top, "model.name")
+    file = Path(module.__file__ or "").resolve()
+    source = file.parent if file.name == "__init__.py" else file
+    return source if source.is_relative_to(Path.cwd().resolve()) else None

@@ -1,0 +1,126 @@
+"""Autocast and GradScaler, decided once from the precision section.
+
+A tiny vocabulary in the spirit of Composer's `precision_context()`: the worker
+asks for one context manager per forward pass and one scaler, and never branches
+on dtypes itself.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional
+
+import torch
+
+from orchestrator.errors import BadInput
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def parse_dtype(name: str, where: str = "precision.compute_dtype") -> torch.dtype:
+    key = _ALIASES.get(str(name), str(name))
+    if key not in DTYPES:
+        raise BadInput(f"{where}: unknown dtype '{name}'. Use one of {', '.join(DTYPES)} (or fp32/fp16/bf16).")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float16` -> `float16`, the spelling used in metrics, tags and artifacts."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class AmpSettings:
+    compute_dtype: torch.dtype
+    """Autocast dtype; float32 means autocast is off."""
+    loss_scale: str | float
+    """`dynamic`, `none`, or a fixed scale."""
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+    @classmethod
+    def from_config(cls, precision: Any) -> "AmpSettings":
+        return cls(
+            compute_dtype=parse_dtype(precision.compute_dtype),
+            loss_scale=parse_loss_scale(precision.loss_scale),
+            init_scale=float(precision.init_scale),
+            growth_factor=float(precision.growth_factor),
+            backoff_factor=float(precision.backoff_factor),
+            growth_interval=int(precision.growth_interval),
+        )
+
+    @property
+    def autocast_enabled(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    @property
+    def scaler_enabled(self) -> bool:
+        """Loss scaling exists for fp16's narrow exponent; bf16 and fp32 never need it."""
+        return self.compute_dtype == torch.float16 and self.loss_scale != "none"
+
+
+def parse_loss_scale(text: Any) -> str | float:
+    value = str(text).strip().lower()
+    if value in ("dynamic", "none"):
+        return value
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = float("nan")
+    if not math.isfinite(scale) or scale <= 0:
+        raise BadInput(
+            f"precision.loss_scale: '{text}' is not `dynamic`, `none` or a positive finite number (e.g. 1024)."
+        )
+    return scale
+
+
+def autocast_context(settings: AmpSettings, device_type: str) -> ContextManager:
+    if not settings.autocast_enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=settings.compute_dtype)
+
+
+class FixedScaler(torch.amp.GradScaler):
+    """A static loss scale: steps with inf/nan gradients are still skipped, the scale never moves."""
+
+    def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
+        super().update(self._init_scale if new_scale is None else new_scale)
+
+
+def make_scaler(settings: AmpSettings, device_type: str) -> torch.amp.GradScaler:
+    """A GradScaler that is enabled exactly when the compute dtype is fp16 and scaling is on."""
+    kwargs = dict(
+        device=device_type,
+        enabled=settings.scaler_enabled,
+        growth_factor=settings.growth_factor,
+        backoff_factor=settings.backoff_factor,
+        growth_interval=settings.growth_interval,
+    )
+    if isinstance(settings.loss_scale, float):
+        return FixedScaler(init_scale=settings.loss_scale, **kwargs)
+    return torch.amp.GradScaler(init_scale=settings.init_scale, **kwargs)
+
+
+def loss_scale_of(scaler: torch.amp.GradScaler) -> float:
+    """The current scale; 1.0 when no scaler is active (the loss is used as is)."""
+    return float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+    """1.0 when the step just taken was skipped for inf/nan gradients, as a device tensor (no sync).
+
+    Call between `scaler.step(optimizer)` and `scaler.update()`. GradScaler keeps the flags it
+    computed in `_per_optimizer_states` (private, unchanged since torch 1.6); reading them avoids
+    another host sync per step. None when the scaler is off (nothing is ever skipped).
+    """
+    if not scaler.is_enabled():
+        return None
+    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    return sum(flag.float() for flag in flags.values()) if flags else None

@@ -1,0 +1,87 @@
+"""One live progress line on the driver's console, fed from the Ray Train controller.
+
+The controller (where callbacks run) is another process, so the latest metrics
+travel through a tiny actor the driver polls.
+"""
+
+import sys
+import threading
+import time
+from typing import Any, Optional, TextIO
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class ProgressBoard:
+    """Holds the newest rank-0 metrics the controller saw."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}
+
+    def update(self, metrics: dict[str, Any]) -> None:
+        self.latest = {**self.latest, **metrics}
+
+    def get(self) -> dict[str, Any]:
+        return self.latest
+
+
+def format_line(metrics: dict[str, Any]) -> str:
+    parts = [f"epoch {metrics.get('epoch', '?')}/{metrics.get('epochs', '?')}",
+             f"step {metrics.get('step', '?')}/{metrics.get('total_steps', '?')}"]
+    if "train/loss" in metrics:
+        parts.append(f"loss {metrics['train/loss']:.4f}")
+    if "eval/accuracy" in metrics:
+        parts.append(f"acc {metrics['eval/accuracy']:.3f}")
+    if "amp/loss_scale" in metrics:
+        parts.append(f"scale {metrics['amp/loss_scale']:g}")
+    if "perf/samples_per_s" in metrics:
+        parts.append(f"{metrics['perf/samples_per_s']:.0f} samples/s")
+    return " | ".join(parts)
+
+
+class ConsoleProgress:
+    """Polls the board in a thread; rewrites one line on a TTY, prints each new epoch otherwise."""
+
+    def __init__(self, board, stream: TextIO = sys.stderr, interval_s: float = 0.5):
+        self.board, self.stream, self.interval_s = board, stream, interval_s
+        self.tty = stream.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ampflow-progress", daemon=True)
+        self._last_line: Optional[str] = None
+        self._last_print = float("-inf")
+        self.plain_every_s = 10.0
+
+    def __enter__(self) -> "ConsoleProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._show(final=True)
+        if self.tty and self._last_line:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._show()
+
+    def _show(self, final: bool = False) -> None:
+        try:
+            metrics = ray.get(self.board.get.remote(), timeout=5)
+        except Exception:  # the console line is a convenience; it never fails the job
+            return
+        line = format_line(metrics) if metrics else None
+        if line is None or line == self._last_line:
+            return
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        elif final or now - self._last_print >= self.plain_every_s:
+            self.stream.write(line + "\n")  # logs and CI: a line every few seconds, not a wall
+        else:
+            return
+        self.stream.flush()
+        self._last_line, self._last_print = line, now

@@ -1,0 +1,166 @@
+"""`python -m orchestrator.submit JOB [key=value ...]`: train a job on Ray, tracked in MLflow.
+
+Exit codes: 0 success; 2 bad input (nothing started, no MLflow run); 1 training
+failed (the worker's exception first, the MLflow run marked FAILED).
+"""
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+from omegaconf import DictConfig
+
+from orchestrator import data, models
+from orchestrator.config import flatten, load_job, to_yaml
+from orchestrator.errors import BadInput
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.submit",
+        description="Train a job file on Ray Train workers and track it in one MLflow run.",
+    )
+    parser.add_argument("job", help="job YAML file, e.g. jobs/cifar.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.epochs=2")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                        help="an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray on this machine)")
+    return parser.parse_args(argv)
+
+
+def default_run_name(job_path: Path) -> str:
+    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def summarize_failure(exc: BaseException) -> str:
+    """The worker's exception first: type, message, and where it was raised."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    if isinstance(exc, WorkerGroupError) and exc.worker_failures:
+        rank, error = sorted(exc.worker_failures.items())[0]
+        cause = getattr(error, "cause", None) or error  # RayTaskError wraps the user's exception
+        lines = [f"worker rank {rank} raised {type(cause).__name__}: {cause}".rstrip()]
+        if cause.__traceback__ is not None:
+            frame = traceback.extract_tb(cause.__traceback__)[-1]
+            lines.append(f"  at {frame.filename}:{frame.lineno} in {frame.name}")
+        if len(exc.worker_failures) > 1:
+            lines.append(f"  ({len(exc.worker_failures)} workers failed: ranks {sorted(exc.worker_failures)})")
+        return "\n".join(lines)
+    if isinstance(exc, ControllerError):
+        return f"the Ray Train controller failed: {exc.controller_failure}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _init_ray(address: Optional[str]) -> bool:
+    """Start (or connect to) Ray with worker logs kept off the console. True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # Worker and controller logs stay in Ray's session directory; the console gets one progress line.
+    ray.init(address=address, log_to_driver=False, configure_logging=True, logging_level="WARNING")
+    return True
+
+
+def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> int:
+    import ray
+    from ray.train import TrainingFailedError
+
+    from orchestrator.checkpoint import load_state
+    from orchestrator.launch import build_trainer
+    from orchestrator.progress import ConsoleProgress, ProgressBoard
+    from orchestrator.tracking import MlflowMetricsCallback, RunTracker, git_commit, resolve_uri, view_hint
+
+    base_dir = Path.cwd()
+    uri = resolve_uri(cfg.tracking.uri, base_dir)
+    run_name = cfg.run.name or default_run_name(job_path)
+    module_source = models.module_source(cfg.model.name)
+    started_ray = _init_ray(address)
+    try:
+        tags = {
+            "preset": str(cfg.precision.preset or "custom"),
+            "compute_dtype": cfg.precision.compute_dtype,
+            "world_size": str(cfg.scaling.num_workers),
+            "device": "cuda" if cfg.scaling.use_gpu else "cpu",
+            "job_file": str(job_path),
+        }
+        commit = git_commit(base_dir)
+        if commit:
+            tags["git_commit"] = commit
+            tags["mlflow.source.git.commit"] = commit
+        tracker = RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg),
+                                   config_yaml=to_yaml(cfg))
+        print(f"MLflow run {tracker.run_id} ({run_name}) in experiment '{cfg.tracking.experiment}' at {uri}",
+              file=sys.stderr)
+        try:
+            board = ProgressBoard.remote()
+            trainer = build_trainer(
+                cfg, run_name=run_name, storage_path=cfg.checkpoint.storage_path,
+                callbacks=[MlflowMetricsCallback(uri, tracker.run_id, board)],
+                py_modules=[module_source] if module_source else None,
+            )
+            with ConsoleProgress(board):
+                result = trainer.fit()
+        except TrainingFailedError as exc:
+            tracker.finish("FAILED")
+            print(f"\ntraining failed: {summarize_failure(exc)}", file=sys.stderr)
+            print(f"MLflow run {tracker.run_id} marked FAILED. Full worker logs: Ray's session directory "
+                  "(/tmp/ray/session_latest/logs on the head node).", file=sys.stderr)
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            tracker.finish("KILLED")
+            raise
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+
+        if cfg.tracking.log_model and result.checkpoint is not None:
+            try:
+                model = models.build_model(cfg.model)
+                model.load_state_dict(load_state(result.checkpoint)["model"])
+                example = np.zeros((1, 3, 32, 32), dtype=np.float32)  # every dataset here serves 3x32x32
+                model_format = tracker.log_model(model, example, code_paths=[str(module_source)] if module_source else None)
+                tracker.set_tag("model_format", model_format)
+            except Exception as exc:  # the trained run stands even if the model cannot be logged
+                print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
+        tracker.finish("FINISHED")
+
+        final = {k: v for k, v in (result.metrics or {}).items() if "/" in k}
+        print(f"\nRun finished: {tracker.run_id}")
+        for key in ("eval/accuracy", "eval/loss", "train/loss", "amp/loss_scale", "amp/skipped_steps",
+                    "perf/samples_per_s"):
+            if key in final:
+                print(f"  {key:<20} {final[key]:.6g}")
+        print(f"Checkpoints: {result.path}")
+        print(f"View it:  {view_hint(uri, tracker.experiment_id, tracker.run_id)}")
+        return EXIT_OK
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    job_path = Path(args.job)
+    try:
+        cfg = load_job(job_path, args.overrides)
+        if args.dry_run:
+            print(to_yaml(cfg), end="")
+            return EXIT_OK
+        data.ensure_available(cfg.data)
+        models.build_model(cfg.model)  # builds on the CPU here, so a broken model fails before Ray starts
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_job(cfg, job_path, args.address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""One MLflow run per job.
+
+The driver creates the run (params, tags, resolved YAML), the Ray Train controller
+logs what rank 0 reports through `MlflowMetricsCallback`, and the driver closes
+the run FINISHED or FAILED. Workers never talk to MLflow, so a restarted worker
+group cannot create a second run.
+"""
+
+import logging
+import os
+import subprocess
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+from ray.train import UserCallback
+
+logger = logging.getLogger("ampflow.tracking")
+
+# Keys of a report that are bookkeeping for the progress line, not metrics.
+CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps"}
+
+
+def resolve_uri(configured: Optional[str], base_dir: Path) -> str:
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else sqlite:///<base_dir>/mlflow.db; local paths made absolute."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str((base_dir / uri.removeprefix("sqlite:///")).resolve())
+    if "://" not in uri:  # a bare directory: MLflow's file store
+        return (base_dir / uri).resolve().as_uri()
+    return uri
+
+
+def view_hint(uri: str, experiment_id: str, run_id: str) -> str:
+    """How to look at the run: the UI URL for a server, the `mlflow ui` command for a local store."""
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return (
+        f"mlflow ui --backend-store-uri {uri}\n"
+        f"  then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
+    )
+
+
+def git_commit(directory: Path) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+class RunTracker:
+    """Driver-side handle on the job's MLflow run."""
+
+    def __init__(self, uri: str, experiment_id: str, run_id: str):
+        from mlflow import MlflowClient
+
+        self.uri, self.experiment_id, self.run_id = uri, experiment_id, run_id
+        self.client = MlflowClient(tracking_uri=uri)
+
+    @classmethod
+    def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
+              params: dict[str, str], config_yaml: str) -> "RunTracker":
+        from mlflow import MlflowClient
+        from mlflow.entities import Param, RunTag
+
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+        experiment_id = (
+            experiment.experiment_id if experiment is not None else client.create_experiment(cfg.tracking.experiment)
+        )
+        run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+        tracker = cls(uri, experiment_id, run.info.run_id)
+        try:
+            items = [Param(key, value) for key, value in params.items()]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+                client.log_batch(tracker.run_id, params=items[i : i + 100])
+            client.log_text(tracker.run_id, config_yaml, "config/job.yaml")
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        return tracker
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
+    def log_model(self, model, input_example, code_paths: Optional[list[str]] = None) -> str:
+        """Log the fp32 model as the run's MLflow model `model`; returns the format used.
+
+        pt2 (torch.export, loads without unpickling code) when the model exports; otherwise the
+        pickled module with its custom code shipped alongside.
+        """
+        import mlflow
+        import torch
+        import torchvision
+
+        mlflow.set_tracking_uri(self.uri)
+        requirements = [f"torch=={torch.__version__.split('+')[0]}",
+                        f"torchvision=={torchvision.__version__.split('+')[0]}"]
+        with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
+            warnings.simplefilter("ignore")  # signature inference chatter
+            try:
+                mlflow.pytorch.log_model(model, name="model", pip_requirements=requirements,
+                                         input_example=input_example, serialization_format="pt2")
+                return "pt2"
+            except Exception as exc:
+                logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
+            mlflow.pytorch.log_model(model, name="model", pip_requirements=requirements, code_paths=code_paths,
+                                     input_example=input_example, serialization_format="pickle")
+            return "pickle"
+
+    def finish(self, status: str) -> None:
+        """FINISHED, FAILED or KILLED; a run is never left RUNNING."""
+        self.client.set_terminated(self.run_id, status=status)
+
+    def status(self) -> str:
+        return self.client.get_run(self.run_id).info.status
+
+
+class MlflowMetricsCallback(UserCallback):
+    """Runs on the Ray Train controller: logs rank 0's report to MLflow and feeds the progress board.
+
+    Rank 0's numbers are already reduced over all ranks by the worker loop.
+    A failure to log is reported once and never stops training.
+    """
+
+    def __init__(self, uri: str, run_id: str, board: Any = None):
+        self.uri, self.run_id, self.board = uri, run_id, board
+        self._client = None
+        self._warned = False
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        report = metrics[0]
+        if self.board is not None:
+            self.board.update.remote(report)
+        try:
+            self._log(report)
+        except Exception as exc:  # tracking is never worth a failed training run
+            if not self._warned:
+                logger.warning("ampflow: could not log metrics to MLflow (%s); training goes on.", exc)
+                self._warned = True
+
+    def _log(self, report: dict[str, Any]) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        if self._client is None:
+            self._client = MlflowClient(tracking_uri=self.uri)
+        step = int(report["step"])
+        timestamp = int(time.time() * 1000)
+        batch = [Metric(key, float(value), timestamp, step) for key, value in report.items()
+                 if key not in CONTROL_KEYS and isinstance(value, (int, float))]
+        self._client.log_batch(self.run_id, metrics=batch)
