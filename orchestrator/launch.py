@@ -1,6 +1,5 @@
 """Build the TorchTrainer for a resolved job: scaling, run, failure and checkpoint configs."""
 
-from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -11,7 +10,7 @@ from orchestrator.worker import train_loop
 
 
 def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,
-                  py_modules: Optional[list[Path]] = None) -> TorchTrainer:
+                  worker_runtime_env: Optional[dict] = None) -> TorchTrainer:
     scaling = ScalingConfig(
         num_workers=cfg.scaling.num_workers,
         use_gpu=cfg.scaling.use_gpu,
@@ -23,8 +22,7 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
         failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
         callbacks=callbacks,
-        # A model given by import path lives in the submit directory: ship it to every worker.
-        worker_runtime_env={"py_modules": [str(p) for p in py_modules]} if py_modules else None,
+        worker_runtime_env=worker_runtime_env,
     )
     return TorchTrainer(
         train_loop,

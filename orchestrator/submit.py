@@ -6,9 +6,9 @@ failed (the worker's exception first, the MLflow run marked FAILED).
 
 import argparse
 import os
+import re
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -39,17 +39,25 @@ def default_run_name(job_path: Path) -> str:
     return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _last_frame(traceback_text: str) -> Optional[str]:
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', traceback_text)
+    return f"  at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else None
+
+
 def summarize_failure(exc: BaseException) -> str:
     """The worker's exception first: type, message, and where it was raised."""
     from ray.train import ControllerError, WorkerGroupError
 
     if isinstance(exc, WorkerGroupError) and exc.worker_failures:
-        rank, error = sorted(exc.worker_failures.items())[0]
-        cause = getattr(error, "cause", None) or error  # RayTaskError wraps the user's exception
+        rank, cause = sorted(exc.worker_failures.items())[0]
+        # The traceback object does not survive serialisation; Ray Train puts each rank's traceback
+        # text in the error message under "[Rank N Error Snippet]:".
+        parts = re.split(r"\[Rank ([\d,]+) Error Snippet\]:", str(exc))[1:]  # ranks, text, ranks, text...
+        snippets = {r: text for ranks, text in zip(parts[::2], parts[1::2]) for r in ranks.split(",")}
         lines = [f"worker rank {rank} raised {type(cause).__name__}: {cause}".rstrip()]
-        if cause.__traceback__ is not None:
-            frame = traceback.extract_tb(cause.__traceback__)[-1]
-            lines.append(f"  at {frame.filename}:{frame.lineno} in {frame.name}")
+        where = _last_frame(snippets.get(str(rank), ""))
+        if where:
+            lines.append(where)
         if len(exc.worker_failures) > 1:
             lines.append(f"  ({len(exc.worker_failures)} workers failed: ranks {sorted(exc.worker_failures)})")
         return "\n".join(lines)
@@ -58,15 +66,24 @@ def summarize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _init_ray(address: Optional[str]) -> bool:
-    """Start (or connect to) Ray with worker logs kept off the console. True if we started it."""
+def _init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bool, Optional[dict]]:
+    """Start (or connect to) Ray with worker logs kept off the console.
+
+    Returns (whether we started it, the runtime env the workers need). A model module from the
+    submit directory is shipped to every node as a job-level `py_modules` entry; Ray only uploads
+    local code at the job level, so when the caller already initialised Ray (a notebook, the
+    tests) we can only point same-machine workers at the directory through PYTHONPATH.
+    """
     import ray
 
     if ray.is_initialized():
-        return False
+        if module_source is None:
+            return False, None
+        return False, {"env_vars": {"PYTHONPATH": str(module_source.parent)}}
+    runtime_env = {"py_modules": [str(module_source)]} if module_source else None
     # Worker and controller logs stay in Ray's session directory; the console gets one progress line.
-    ray.init(address=address, log_to_driver=False, configure_logging=True, logging_level="WARNING")
-    return True
+    ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="WARNING")
+    return True, None
 
 
 def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> int:
@@ -82,7 +99,7 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
     uri = resolve_uri(cfg.tracking.uri, base_dir)
     run_name = cfg.run.name or default_run_name(job_path)
     module_source = models.module_source(cfg.model.name)
-    started_ray = _init_ray(address)
+    started_ray, worker_runtime_env = _init_ray(address, module_source)
     try:
         tags = {
             "preset": str(cfg.precision.preset or "custom"),
@@ -104,7 +121,7 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
             trainer = build_trainer(
                 cfg, run_name=run_name, storage_path=cfg.checkpoint.storage_path,
                 callbacks=[MlflowMetricsCallback(uri, tracker.run_id, board)],
-                py_modules=[module_source] if module_source else None,
+                worker_runtime_env=worker_runtime_env,
             )
             with ConsoleProgress(board):
                 result = trainer.fit()

@@ -65,6 +65,19 @@ class Window:
         return metrics
 
 
+def train_step(model, inputs, targets, optimizer, scaler, amp: AmpSettings, device: torch.device):
+    """One optimizer step under autocast + GradScaler. Returns (loss, found_inf or None), both on device."""
+    inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    with autocast_context(amp, device.type):
+        loss = F.cross_entropy(model(inputs), targets)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
+    scaler.step(optimizer)  # skipped, and the scale backed off, when gradients are inf/nan
+    overflow = found_inf(scaler, optimizer)
+    scaler.update()
+    return loss, overflow
+
+
 @torch.no_grad()
 def evaluate(model, loader, amp: AmpSettings, device: torch.device) -> dict[str, float]:
     """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
@@ -138,16 +151,9 @@ def train_loop(config: dict[str, Any]) -> None:
         for step_in_epoch, (inputs, targets) in enumerate(train_loader):
             if step_in_epoch >= steps_per_epoch:
                 break
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with autocast_context(amp, device.type):
-                loss = F.cross_entropy(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)  # skipped (and the scale backed off) when gradients are inf/nan
-            overflow = found_inf(scaler, optimizer)
+            loss, overflow = train_step(model, inputs, targets, optimizer, scaler, amp, device)
             if overflow is not None:
                 skipped += overflow
-            scaler.update()
             if scheduler is not None:
                 scheduler.step()
             global_step += 1

@@ -38,9 +38,8 @@ def available_presets(section: str = "precision") -> list[str]:
 
 
 def _schema() -> DictConfig:
-    cfg = OmegaConf.structured(JobConfig)
-    OmegaConf.set_struct(cfg, True)
-    return cfg
+    # Dataclass nodes are closed to unknown keys; Dict[...] fields (model.kwargs, resources) stay open.
+    return OmegaConf.structured(JobConfig)
 
 
 def _nearest(word: str, choices: Iterable[str]) -> str:
@@ -64,7 +63,7 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         allowed = _allowed_keys(base, full_key)
         leaf = full_key.rsplit(".", 1)[-1]
         parent = full_key.rsplit(".", 1)[0] if "." in full_key else "the top level"
-        hint = _nearest(leaf, allowed)
+        hint = _nearest(leaf, allowed).replace("'", f"'{parent}.", 1) if parent != "the top level" else ""
         raise BadInput(
             f"{source}: unknown key '{full_key}'.{hint} Allowed keys in {parent}: {', '.join(allowed)}."
         ) from None

@@ -36,12 +36,14 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(len(cfg.optim.betas) == 2, "optim.betas", "must be a list of two numbers [beta1, beta2].")
     r(0 < cfg.optim.warmup_fraction < 1, "optim.warmup_fraction", "must be between 0 and 1.")
 
-    AmpSettings.from_config(cfg.precision)  # raises BadInput naming the precision key
+    try:  # these raise BadInput naming their key; add the file
+        AmpSettings.from_config(cfg.precision)
+        data.check_name(cfg.data.name)
+        models.resolve_factory(cfg.model.name)
+    except BadInput as exc:
+        raise BadInput(f"{source}: {exc}") from None
 
     r(cfg.tracking.log_every_n_steps >= 1, "tracking.log_every_n_steps", "must be >= 1.")
     r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
     r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")
     r(cfg.failure.max_failures >= -1, "failure.max_failures", "must be >= 0, or -1 for unlimited.")
-
-    data.check_name(cfg.data.name)
-    models.resolve_factory(cfg.model.name)

@@ -1,0 +1,56 @@
+"""Shared fixtures: one real local Ray for the whole session, real MLflow stores in tmp dirs."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One `ray.init(num_cpus=2)` shared by every test that trains; stopped at the end."""
+    import ray
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def write_job(tmp_path):
+    """Write a job mapping as YAML in tmp_path and return its path."""
+
+    def write(job: dict, name: str = "job.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(job, sort_keys=False))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def small_job(**sections) -> dict:
+    """A tiny digits job: 2 workers, fp32, a few steps. Sections given replace or extend the defaults."""
+    job = {
+        "model": {"name": "simple_cnn"},
+        "data": {"name": "digits"},
+        "scaling": {"num_workers": 2},
+        "run": {"epochs": 1, "batch_size": 32, "max_steps_per_epoch": 4},
+        "tracking": {"log_every_n_steps": 2, "log_model": False},
+    }
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values}
+    return job
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,85 @@
+"""Datasets, per-rank sharding and the model registry."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from orchestrator.config.schema import DataSection, ModelSection
+from orchestrator.data import ShardSampler, build_datasets, build_loaders, ensure_available
+from orchestrator.errors import BadInput, DataUnavailable
+from orchestrator.models import build_model
+
+
+def test_digits_are_real_3x32x32_with_a_fixed_stratified_split():
+    train, test = build_datasets(DataSection(name="digits"), num_classes=10)
+    assert len(train) + len(test) == 1797
+    assert len(test) == 360
+    x, y = train[0]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32
+    # Stratified: every class is in the test split in about its share.
+    counts = Counter(int(test[i][1]) for i in range(len(test)))
+    assert set(counts) == set(range(10)) and min(counts.values()) >= 34
+    # Fixed: a second build gives the same split.
+    again, _ = build_datasets(DataSection(name="digits"), num_classes=10)
+    assert torch.equal(train.tensors[0], again.tensors[0])
+    # Disjoint: no test image is also a training image.
+    train_rows = {row.numpy().tobytes() for row in train.tensors[0][:, 0, ::4, ::4]}
+    assert not any(row.numpy().tobytes() in train_rows for row in test.tensors[0][:, 0, ::4, ::4])
+
+
+def test_each_rank_trains_on_its_own_shard_and_eval_covers_every_sample_once():
+    train, test = build_datasets(DataSection(name="digits"), num_classes=10)
+    seen_train, seen_eval = [], []
+    for rank in range(2):
+        train_loader, eval_loader, sampler = build_loaders(
+            train, test, batch_size=64, rank=rank, world_size=2, seed=0, loader_workers=0, pin_memory=False,
+        )
+        sampler.set_epoch(0)
+        seen_train.append(set(sampler))
+        seen_eval.extend(eval_loader.sampler)
+    # DistributedSampler pads the shorter shard with at most world_size - 1 repeated samples.
+    assert len(train) % 2 == 1 and len(seen_train[0] & seen_train[1]) <= 1
+    assert len(seen_train[0] | seen_train[1]) == len(train)
+    assert sorted(seen_eval) == list(range(len(test)))
+
+
+def test_shard_sampler_splits_without_padding():
+    shards = [list(ShardSampler(7, rank, 3)) for rank in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_cifar_missing_without_download_says_where_to_put_it(tmp_path):
+    with pytest.raises(DataUnavailable) as info:
+        ensure_available(DataSection(name="cifar10", root=str(tmp_path), download=False))
+    message = str(info.value)
+    assert str(tmp_path) in message and "cifar-10-batches-py" in message and "data.root" in message
+
+
+def test_synthetic_data_has_the_asked_size():
+    train, test = build_datasets(DataSection(name="synthetic", synthetic_samples=128), num_classes=10)
+    assert len(train) == 128 and train[0][0].shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize("name, params", [("simple_cnn", 268_650), ("resnet18", 11_173_962)])
+def test_registry_models_take_32x32_and_give_logits(name, params):
+    model = build_model(ModelSection(name=name, num_classes=10))
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_import_path_model_from_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "mynets_local.py").write_text(
+        "import torch.nn as nn\n"
+        "def Tiny(num_classes, hidden=8):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.Linear(hidden, num_classes))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    model = build_model(ModelSection(name="mynets_local:Tiny", num_classes=4, kwargs={"hidden": 5}))
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 4)
+    assert model[1].out_features == 5
+
+
+def test_model_kwargs_that_do_not_fit_are_bad_input():
+    with pytest.raises(BadInput, match="model.kwargs"):
+        build_model(ModelSection(name="simple_cnn", kwargs={"depth": 3}))

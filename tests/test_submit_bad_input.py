@@ -1,0 +1,71 @@
+"""Bad input exits 2 before anything starts: no Ray, no MLflow run, no files.
+
+All cases run in one fresh interpreter (startup is the slow part), each through
+`orchestrator.submit.main`, exactly as the CLI calls it.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from conftest import REPO, small_job
+
+CASES = {
+    "unknown_key": (small_job(run={"epoch": 2}), [], "run.epochs"),
+    "wrong_type": (small_job(run={"batch_size": "big"}), [], "run.batch_size"),
+    "missing_required": ({"data": {"name": "digits"}}, [], "model.name"),
+    "not_a_mapping": ("- a\n- b\n", [], "must be a mapping"),
+    "missing_file": (None, [], "job file not found"),
+    "unknown_model": (small_job(model={"name": "vgg99"}), [], "vgg99"),
+    "unknown_dataset": (small_job(data={"name": "mnist"}), [], "mnist"),
+    "import_path_unresolved": (small_job(model={"name": "nowhere_pkg.nets:Net"}), [], "nowhere_pkg"),
+    "bad_override": (small_job(), ["scaling.workers=2"], "scaling.num_workers"),
+    "cifar_unavailable": (small_job(data={"name": "cifar10", "download": False}), [], "cifar-10-batches-py"),
+}
+
+DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, os, sys
+    import ray
+    from orchestrator.submit import main
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(argv)
+        results[name] = {"rc": rc, "stderr": err.getvalue(), "ray": ray.is_initialized(),
+                         "files": sorted(os.listdir("."))}
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("bad-input")
+    argvs = {}
+    for name, (job, overrides, _) in CASES.items():
+        path = workdir / "jobs" / f"{name}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        if job is not None:
+            path.write_text(job if isinstance(job, str) else yaml.safe_dump(job))
+        argvs[name] = [str(path), *overrides, f"data.root={workdir / 'data'}"]
+    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=workdir,
+                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                           "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_exits_2_with_a_clear_message_and_starts_nothing(outcomes, name):
+    result = outcomes[name]
+    assert result["rc"] == 2
+    assert result["stderr"].startswith("error: ")
+    assert CASES[name][2] in result["stderr"]
+    assert not result["ray"], "Ray must not be started for bad input"
+    assert result["files"] == ["jobs"], "no mlflow.db, ray_results or data may be left behind"
