@@ -86,6 +86,22 @@ def _init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bo
     return True, None
 
 
+def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
+    from orchestrator.checkpoint import load_state
+    from orchestrator.export import ExportRefused, export
+
+    model = models.build_model(cfg.model)
+    model.load_state_dict(load_state(checkpoint)["model"])
+    try:
+        result = export(model, cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
+    except ExportRefused as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"Exported as {result.dtype}: accuracy {result.accuracy:.4f} (fp32 {result.fp32_accuracy:.4f}, "
+          f"delta {result.accuracy_delta:+.4f}), MLflow model 'model_{result.dtype}'")
+    return EXIT_OK
+
+
 def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> int:
     import ray
     from ray.train import TrainingFailedError
@@ -142,11 +158,14 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
             try:
                 model = models.build_model(cfg.model)
                 model.load_state_dict(load_state(result.checkpoint)["model"])
-                example = np.zeros((1, 3, 32, 32), dtype=np.float32)  # every dataset here serves 3x32x32
+                example = np.zeros((2, 3, 32, 32), dtype=np.float32)  # 3x32x32 everywhere; batch 2 keeps export batch-dynamic
                 model_format = tracker.log_model(model, example, code_paths=[str(module_source)] if module_source else None)
                 tracker.set_tag("model_format", model_format)
             except Exception as exc:  # the trained run stands even if the model cannot be logged
                 print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
+        exit_code = EXIT_OK
+        if cfg.export.dtype is not None and result.checkpoint is not None:
+            exit_code = _export_after_training(cfg, result.checkpoint, tracker)
         tracker.finish("FINISHED")
 
         final = {k: v for k, v in (result.metrics or {}).items() if "/" in k}
@@ -157,10 +176,26 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
                 print(f"  {key:<20} {final[key]:.6g}")
         print(f"Checkpoints: {result.path}")
         print(f"View it:  {view_hint(uri, tracker.experiment_id, tracker.run_id)}")
-        return EXIT_OK
+        return exit_code
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def check_precision(cfg: DictConfig, model) -> None:
+    """Run the precision lint; findings stop the job (`error`), are printed (`warn`) or skipped (`off`)."""
+    from orchestrator.precision.lint import lint
+
+    if cfg.precision.lint == "off":
+        return
+    findings = lint(cfg, model)
+    if not findings:
+        return
+    listed = "\n".join(f"  - {finding}" for finding in findings)
+    if cfg.precision.lint == "error":
+        raise BadInput(f"precision lint found {len(findings)} problem(s) with this job's policy:\n{listed}\n"
+                       "Fix them, or set precision.lint: warn to train anyway.")
+    print(f"warning: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -172,7 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(to_yaml(cfg), end="")
             return EXIT_OK
         data.ensure_available(cfg.data)
-        models.build_model(cfg.model)  # builds on the CPU here, so a broken model fails before Ray starts
+        # Built on the CPU here, so a broken model or a dangerous precision policy fails before Ray starts.
+        check_precision(cfg, models.build_model(cfg.model))
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

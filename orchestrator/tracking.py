@@ -83,10 +83,51 @@ class RunTracker:
             raise
         return tracker
 
+    @classmethod
+    def open(cls, uri: str, run_id: str) -> "RunTracker":
+        """An existing run (e.g. for export); BadInput when it is not there."""
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        from orchestrator.errors import BadInput
+
+        try:
+            run = MlflowClient(tracking_uri=uri).get_run(run_id)
+        except MlflowException as exc:
+            raise BadInput(f"run {run_id} not found at {uri} ({exc.message}). Pass --tracking-uri "
+                           "or set MLFLOW_TRACKING_URI to the store the run is in.") from None
+        return cls(uri, run.info.experiment_id, run_id)
+
+    def load_text(self, artifact_path: str) -> str:
+        import mlflow
+
+        local = mlflow.artifacts.download_artifacts(run_id=self.run_id, artifact_path=artifact_path,
+                                                    tracking_uri=self.uri)
+        return Path(local).read_text()
+
+    def load_model(self):
+        """The run's fp32 model (`model`) as logged at the end of training (a pt2 program or a module)."""
+        import mlflow
+
+        from orchestrator.errors import BadInput
+
+        mlflow.set_tracking_uri(self.uri)
+        models = self.client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'")
+        fp32 = [m for m in models if m.name == "model"]
+        if not fp32:
+            raise BadInput(f"run {self.run_id} has no logged model 'model' (was tracking.log_model false?).")
+        return mlflow.pytorch.load_model(fp32[0].model_uri, map_location="cpu")
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), timestamp, step) for k, v in metrics.items()])
+
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
 
-    def log_model(self, model, input_example, code_paths: Optional[list[str]] = None) -> str:
+    def log_model(self, model, input_example, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
         """Log the fp32 model as the run's MLflow model `model`; returns the format used.
 
         pt2 (torch.export, loads without unpickling code) when the model exports; otherwise the
@@ -102,12 +143,12 @@ class RunTracker:
         with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
             warnings.simplefilter("ignore")  # signature inference chatter
             try:
-                mlflow.pytorch.log_model(model, name="model", pip_requirements=requirements,
+                mlflow.pytorch.log_model(model, name=name, pip_requirements=requirements,
                                          input_example=input_example, serialization_format="pt2")
                 return "pt2"
             except Exception as exc:
                 logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
-            mlflow.pytorch.log_model(model, name="model", pip_requirements=requirements, code_paths=code_paths,
+            mlflow.pytorch.log_model(model, name=name, pip_requirements=requirements, code_paths=code_paths,
                                      input_example=input_example, serialization_format="pickle")
             return "pickle"
 
@@ -153,3 +194,6 @@ class MlflowMetricsCallback(UserCallback):
         batch = [Metric(key, float(value), timestamp, step) for key, value in report.items()
                  if key not in CONTROL_KEYS and isinstance(value, (int, float))]
         self._client.log_batch(self.run_id, metrics=batch)
+        for key, value in report.items():  # structured results (e.g. precision/audit) become JSON artifacts
+            if isinstance(value, (list, dict)):
+                self._client.log_dict(self.run_id, value, f"{key}.json")

@@ -8,7 +8,7 @@ checkpoint). The controller-side tracking callback turns reports into MLflow.
 
 import random
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import ray.train
@@ -23,7 +23,12 @@ from orchestrator.data import build_datasets, build_loaders
 from orchestrator.memory import param_bytes_by_dtype, peak_bytes
 from orchestrator.models import build_model
 from orchestrator.optim import build_optimizer, build_scheduler
-from orchestrator.precision import AmpSettings, autocast_context, found_inf, loss_scale_of, make_scaler
+from orchestrator import precision
+from orchestrator.precision import AmpSettings, MasterWeights, autocast_context, found_inf, loss_scale_of, make_scaler
+
+
+class PolicyNotHonoured(RuntimeError):
+    """A layer did not store or compute in the dtype its precision rule promised."""
 
 
 def seed_everything(seed: int) -> None:
@@ -65,16 +70,21 @@ class Window:
         return metrics
 
 
-def train_step(model, inputs, targets, optimizer, scaler, amp: AmpSettings, device: torch.device):
+def train_step(model, inputs, targets, optimizer, scaler, amp: AmpSettings, device: torch.device,
+               masters: Optional[MasterWeights] = None):
     """One optimizer step under autocast + GradScaler. Returns (loss, found_inf or None), both on device."""
     inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
     with autocast_context(amp, device.type):
-        loss = F.cross_entropy(model(inputs), targets)
+        loss = F.cross_entropy(model(inputs).float(), targets)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
+    if masters:
+        masters.grads_to_masters()  # the optimizer (and the unscale) works on fp32 copies
     scaler.step(optimizer)  # skipped, and the scale backed off, when gradients are inf/nan
     overflow = found_inf(scaler, optimizer)
     scaler.update()
+    if masters:
+        masters.masters_to_params()
     return loss, overflow
 
 
@@ -97,6 +107,22 @@ def evaluate(model, loader, amp: AmpSettings, device: torch.device) -> dict[str,
     return {"eval/loss": total_loss / max(total, 1.0), "eval/accuracy": total_correct / max(total, 1.0)}
 
 
+def _require_bf16_support(policy: precision.Policy, device: torch.device) -> None:
+    uses_bf16 = torch.bfloat16 in (policy.compute_dtype, policy.param_dtype) or any(
+        rule.dtype == torch.bfloat16 for rule in policy.rules)
+    if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RuntimeError(f"precision: bfloat16 asked, but {torch.cuda.get_device_name(device)} has no bfloat16 "
+                           "support. Use preset O1 or O2 (float16 with loss scaling).")
+
+
+def _check_audit(audit: precision.Audit) -> list[dict[str, Any]]:
+    entries = audit.close()
+    problems = precision.broken_promises(entries)
+    if problems:
+        raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
+    return entries
+
+
 def train_loop(config: dict[str, Any]) -> None:
     cfg = OmegaConf.create(config["job"])
     context = ray.train.get_context()
@@ -116,27 +142,37 @@ def train_loop(config: dict[str, Any]) -> None:
         steps_per_epoch = min(steps_per_epoch, cfg.run.max_steps_per_epoch)
     total_steps = steps_per_epoch * cfg.run.epochs
 
-    # Model, optimizer, schedule, scaler. prepare_model moves to the device and wraps in DDP.
+    # Model and precision policy: fp32 weights (restored after a restart) on the device, fp32 masters
+    # captured, then layers cast per the policy, all before DDP wraps the model.
+    policy = precision.Policy.from_config(cfg.precision)
+    _require_bf16_support(policy, device)
     model = build_model(cfg.model)
+    state = ckpt.load_state(ray.train.get_checkpoint())
+    if state is not None:
+        model.load_state_dict(state["model"])
+    model.to(device)
+    plans = precision.plan(model, policy)
+    masters = MasterWeights(model, plans) if policy.master_weights else None
+    precision.apply(model, policy, plans, device.type)
     params_bytes = sum(param_bytes_by_dtype(model).values())
+    audit = precision.Audit(model, policy, plans)
     model = ray.train.torch.prepare_model(model)
     raw_model = model.module if hasattr(model, "module") else model
-    optimizer = build_optimizer(cfg.optim, model.parameters())
+    optimizer = build_optimizer(cfg.optim, masters.optimizer_params(raw_model) if masters else model.parameters())
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     scaler = make_scaler(amp, device.type)
     skipped = torch.zeros((), device=device)
 
     # Resume after a worker-group restart: continue from the last reported epoch.
     start_epoch, global_step = 0, 0
-    state = ckpt.load_state(ray.train.get_checkpoint())
     if state is not None:
-        raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         start_epoch, global_step = state["epoch"] + 1, state["global_step"]
         skipped += state["skipped_steps"]
+    pending: dict[str, Any] = {}  # non-metric results (the audit) that ride on the next report
 
     def common_metrics(epoch: int) -> dict[str, Any]:
         return {
@@ -151,19 +187,24 @@ def train_loop(config: dict[str, Any]) -> None:
         for step_in_epoch, (inputs, targets) in enumerate(train_loader):
             if step_in_epoch >= steps_per_epoch:
                 break
-            loss, overflow = train_step(model, inputs, targets, optimizer, scaler, amp, device)
+            loss, overflow = train_step(model, inputs, targets, optimizer, scaler, amp, device, masters)
             if overflow is not None:
                 skipped += overflow
+            if audit is not None:  # after the first step: what each layer really stored and computed in
+                pending["precision/audit"] = _check_audit(audit)
+                audit = None
             if scheduler is not None:
                 scheduler.step()
             global_step += 1
             window.add(loss, targets.numel())
             if global_step % cfg.tracking.log_every_n_steps == 0:
-                ray.train.report({**common_metrics(epoch), **window.read()})
+                ray.train.report({**common_metrics(epoch), **window.read(), **pending})
+                pending.clear()
 
         # End of epoch: the rest of the window, evaluation, memory, and a checkpoint when due.
         last_epoch = epoch + 1 == cfg.run.epochs
-        metrics = common_metrics(epoch)
+        metrics = {**common_metrics(epoch), **pending}
+        pending.clear()
         if window.samples:
             metrics.update(window.read())
         if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
@@ -173,7 +214,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
         if rank == 0 and (last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0):
             state = {
-                "model": ckpt.fp32_state_dict(raw_model),
+                "model": masters.fp32_state_dict(raw_model) if masters else ckpt.fp32_state_dict(raw_model),
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else {},

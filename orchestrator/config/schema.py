@@ -60,11 +60,27 @@ class OptimSection:
 
 
 @dataclass
+class RuleSection:
+    match: str = MISSING
+    """Glob matched against a module's class name (`BatchNorm*`) or qualified name (`layer1.*`, `fc*`)."""
+    dtype: str = MISSING
+    """What the matched layer stores its parameters in and computes in: float32, float16 or bfloat16."""
+
+
+@dataclass
 class PrecisionSection:
     preset: Optional[str] = None
-    """A preset in configs/precision/ (O0, O1, bf16-mixed, ...) or a Lightning alias (`16-mixed`)."""
+    """A preset in configs/precision/ (O0..O3, bf16-mixed, bf16-true) or a Lightning alias (`16-mixed`)."""
     compute_dtype: str = "float32"
     """Autocast dtype: `float16`, `bfloat16`, or `float32` for no autocast."""
+    param_dtype: str = "float32"
+    """Storage dtype of parameters for layers no rule matches."""
+    master_weights: bool = False
+    """Keep fp32 copies of half parameters; the optimizer steps on those and copies back."""
+    keep_norm_fp32: bool = False
+    """Keep normalisation layers (BatchNorm, LayerNorm, GroupNorm) in fp32, after the rules (Apex's keep_batchnorm_fp32)."""
+    rules: List[RuleSection] = field(default_factory=list)
+    """Per-layer dtype rules; the first rule matching a module wins; a module without a match inherits its parent's."""
     loss_scale: str = "dynamic"
     """`dynamic` (GradScaler), `none`, or a fixed number; only used when computing in float16."""
     init_scale: float = 65536.0
@@ -75,6 +91,16 @@ class PrecisionSection:
     """GradScaler multiplies the scale by this after a step with inf/nan gradients."""
     growth_interval: int = 2000
     """Clean steps between scale increases."""
+    lint: str = "error"
+    """What a dangerous combination found before training does: `error` (exit 2), `warn`, or `off`."""
+
+
+@dataclass
+class ExportSection:
+    dtype: Optional[str] = None
+    """After training, export the model in this dtype (`float16` or `bfloat16`); None: no export."""
+    max_accuracy_drop: float = 0.01
+    """Refuse the export when its eval accuracy is lower than fp32's by more than this (0.01 = 1 point)."""
 
 
 @dataclass
@@ -151,3 +177,5 @@ class JobConfig:
     """When checkpoints are written and where."""
     failure: FailureSection = field(default_factory=FailureSection)
     """How many worker failures are retried."""
+    export: ExportSection = field(default_factory=ExportSection)
+    """Half-precision export of the trained model for deployment."""

@@ -7,9 +7,11 @@ from omegaconf import DictConfig
 from orchestrator import data, models
 from orchestrator.errors import BadInput
 from orchestrator.precision.amp import AmpSettings
+from orchestrator.precision.policy import Policy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("none", "cosine", "onecycle")
+LINT_LEVELS = ("error", "warn", "off")
 
 
 def _require(ok: bool, source: str, key: str, message: str) -> None:
@@ -38,11 +40,16 @@ def validate(cfg: DictConfig, source: str) -> None:
 
     try:  # these raise BadInput naming their key; add the file
         AmpSettings.from_config(cfg.precision)
+        Policy.from_config(cfg.precision)
         data.check_name(cfg.data.name)
         models.resolve_factory(cfg.model.name)
     except BadInput as exc:
         raise BadInput(f"{source}: {exc}") from None
 
+    r(cfg.precision.lint in LINT_LEVELS, "precision.lint", f"must be one of {', '.join(LINT_LEVELS)}.")
+    export_dtype = cfg.export.dtype
+    r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
+    r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
     r(cfg.tracking.log_every_n_steps >= 1, "tracking.log_every_n_steps", "must be >= 1.")
     r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
     r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")

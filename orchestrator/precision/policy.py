@@ -1,0 +1,223 @@
+"""Per-layer dtype policy: which dtype each layer stores its parameters in and computes in.
+
+A policy is the `precision` section: a default parameter dtype, an autocast dtype,
+rules `{match, dtype}` (glob on the class name or the qualified name, first match
+wins), and `keep_norm_fp32`. `plan()` resolves it to one `LayerPlan` per module;
+`apply()` casts parameters and installs the hooks that make each layer compute in
+its dtype and hand its neighbours what they expect. Apply before DDP wrapping.
+"""
+
+import fnmatch
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from orchestrator.precision.amp import dtype_name, parse_dtype
+
+NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+# Layers whose output autocast puts in the compute dtype (what the audit holds O1 to).
+AUTOCAST_TYPES = (nn.modules.conv._ConvNd, nn.Linear)
+
+
+@dataclass(frozen=True)
+class Rule:
+    match: str
+    dtype: torch.dtype
+
+    def matches(self, qualified_name: str, module: nn.Module) -> bool:
+        return fnmatch.fnmatchcase(type(module).__name__, self.match) or (
+            qualified_name != "" and fnmatch.fnmatchcase(qualified_name, self.match)
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    compute_dtype: torch.dtype
+    param_dtype: torch.dtype
+    master_weights: bool
+    keep_norm_fp32: bool
+    rules: tuple[Rule, ...]
+
+    @classmethod
+    def from_config(cls, precision: Any) -> "Policy":
+        rules = tuple(
+            Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype"))
+            for i, rule in enumerate(precision.rules)
+        )
+        return cls(
+            compute_dtype=parse_dtype(precision.compute_dtype),
+            param_dtype=parse_dtype(precision.param_dtype, "precision.param_dtype"),
+            master_weights=bool(precision.master_weights),
+            keep_norm_fp32=bool(precision.keep_norm_fp32),
+            rules=rules,
+        )
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    name: str
+    type: str
+    param_dtype: torch.dtype
+    """What this module's own parameters are stored in."""
+    region: bool
+    """A rule (or keep_norm_fp32) names this module: autocast is off inside it, inputs cast to its dtype."""
+    in_region: bool
+    """This module is the ruled module or inside one: it computes in `param_dtype`."""
+    rule: Optional[str]
+    """The glob (or `keep_norm_fp32`) that decided this module's dtype, if any."""
+    has_params: bool
+    type_is_autocast: bool
+    """Conv or Linear: autocast runs it in the compute dtype."""
+
+    def promised_output_dtype(self, policy: Policy) -> Optional[torch.dtype]:
+        """The output dtype this layer is held to after a step; None where nothing is promised."""
+        if self.in_region and self.has_params:
+            return self.param_dtype
+        if not self.has_params:
+            return None
+        if policy.autocast:
+            return policy.compute_dtype if self.type_is_autocast else None
+        return self.param_dtype
+
+
+def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
+    """One LayerPlan per module (qualified name -> plan), parents before children."""
+    plans: dict[str, LayerPlan] = {}
+    for name, module in model.named_modules():
+        parent = plans.get(name.rpartition(".")[0]) if name else None
+        rule = next((r for r in policy.rules if r.matches(name, module)), None)
+        decided_by = rule.match if rule else None
+        dtype = rule.dtype if rule else None
+        if rule is None and policy.keep_norm_fp32 and isinstance(module, NORM_TYPES):
+            decided_by, dtype = "keep_norm_fp32", torch.float32
+        in_region = dtype is not None or (parent is not None and parent.in_region)
+        if dtype is None:
+            dtype = parent.param_dtype if parent is not None else policy.param_dtype
+        plans[name] = LayerPlan(
+            name=name or "(model)",
+            type=type(module).__name__,
+            param_dtype=dtype,
+            region=decided_by is not None,
+            in_region=in_region,
+            rule=decided_by or (parent.rule if parent is not None and parent.in_region else None),
+            has_params=any(True for _ in module.parameters(recurse=False)),
+            type_is_autocast=isinstance(module, AUTOCAST_TYPES),
+        )
+    return plans
+
+
+def unmatched_rules(model: nn.Module, policy: Policy) -> list[Rule]:
+    named = list(model.named_modules())
+    return [rule for rule in policy.rules if not any(rule.matches(n, m) for n, m in named)]
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _cast_inputs_hook(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype):
+    return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+
+def _enter_fp_region(module: nn.Module, args: tuple, *, device_type: str) -> None:
+    context = torch.autocast(device_type=device_type, enabled=False)
+    context.__enter__()
+    module.__dict__.setdefault("_ampflow_regions", []).append(context)
+
+
+def _exit_fp_region(module: nn.Module, args: tuple, output: Any) -> None:
+    regions = module.__dict__.get("_ampflow_regions")
+    if regions:
+        regions.pop().__exit__(None, None, None)
+
+
+def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_type: Optional[str]) -> nn.Module:
+    """Cast each module's own parameters and floating buffers, and install the compute hooks.
+
+    `device_type` is the autocast device of training; None for inference without autocast
+    (export), where only the input casts are needed.
+    """
+    autocast = policy.autocast and device_type is not None
+    for name, module in model.named_modules():
+        layer = plans[name]
+        for param in module.parameters(recurse=False):
+            param.data = param.data.to(layer.param_dtype)
+        for key, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                module._buffers[key] = buffer.to(layer.param_dtype)
+        # Cast inputs to what the layer stores, except where autocast already decides (fp32 layers under O1).
+        if layer.region or (layer.has_params and not (autocast and layer.param_dtype == torch.float32)):
+            module.register_forward_pre_hook(partial(_cast_inputs_hook, dtype=layer.param_dtype), with_kwargs=True)
+        if layer.region and autocast:
+            module.register_forward_pre_hook(partial(_enter_fp_region, device_type=device_type), prepend=True)
+            module.register_forward_hook(_exit_fp_region, always_call=True)
+    return model
+
+
+class Audit:
+    """Records the output dtype of every layer in one forward pass, then compares with the plan."""
+
+    def __init__(self, model: nn.Module, policy: Policy, plans: dict[str, LayerPlan]):
+        self.policy, self.plans, self.outputs = policy, plans, {}
+        self.modules = dict(model.named_modules())
+        self.handles = [
+            module.register_forward_hook(partial(self._record, name=name)) for name, module in self.modules.items()
+        ]
+
+    def _record(self, module: nn.Module, args: tuple, output: Any, *, name: str) -> None:
+        if name in self.outputs:
+            return
+        first = output
+        while isinstance(first, (tuple, list)) and first:
+            first = first[0]
+        if isinstance(first, torch.Tensor):
+            self.outputs[name] = first.dtype
+
+    def close(self) -> list[dict[str, Any]]:
+        """Remove the hooks and return one entry per layer that has parameters or a rule."""
+        for handle in self.handles:
+            handle.remove()
+        entries = []
+        for name, module in self.modules.items():
+            layer = self.plans[name]
+            if not (layer.has_params or layer.region):
+                continue
+            params = list(module.parameters(recurse=False))
+            promised_out = layer.promised_output_dtype(self.policy)
+            out = self.outputs.get(name)
+            entries.append({
+                "name": layer.name,
+                "type": layer.type,
+                "param_dtype": dtype_name(params[0].dtype) if params else None,
+                "output_dtype": dtype_name(out) if out is not None else None,
+                "promised_param_dtype": dtype_name(layer.param_dtype),
+                "promised_output_dtype": dtype_name(promised_out) if promised_out is not None else None,
+                "rule": layer.rule,
+            })
+        return entries
+
+
+def broken_promises(entries: list[dict[str, Any]]) -> list[str]:
+    """One message per layer whose parameters or output are not in the dtype the policy promised."""
+    problems = []
+    for e in entries:
+        if e["param_dtype"] is not None and e["param_dtype"] != e["promised_param_dtype"]:
+            problems.append(f"layer '{e['name']}' ({e['type']}) stores {e['param_dtype']}, "
+                            f"policy promised {e['promised_param_dtype']}")
+        if e["promised_output_dtype"] is not None and e["output_dtype"] not in (None, e["promised_output_dtype"]):
+            problems.append(f"layer '{e['name']}' ({e['type']}) computed in {e['output_dtype']}, "
+                            f"policy promised {e['promised_output_dtype']}" + (f" (rule {e['rule']})" if e["rule"] else ""))
+    return problems
