@@ -8,7 +8,8 @@ checkpoint). The controller-side tracking callback turns reports into MLflow.
 
 import random
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import ray.train
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch import nn
 
 from orchestrator import checkpoint as ckpt
 from orchestrator.data import build_datasets, build_loaders
@@ -123,6 +125,57 @@ def _check_audit(audit: precision.Audit) -> list[dict[str, Any]]:
     return entries
 
 
+@dataclass
+class PreparedModel:
+    model: nn.Module
+    """What the loop calls: DDP-wrapped when there are several workers."""
+    raw: nn.Module
+    """The model inside DDP (for state dicts)."""
+    masters: Optional[MasterWeights]
+    audit: precision.Audit
+    """Records the first step's output dtypes; closed by the loop."""
+    params_bytes: int
+    """Bytes of the parameters as stored under the policy."""
+
+    def optimizer_params(self) -> Iterator[torch.Tensor]:
+        return self.masters.optimizer_params(self.raw) if self.masters else self.model.parameters()
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Give every rank rank 0's fp32 parameters and buffers.
+
+    DDP broadcasts rank 0's state when it wraps the model, but by then a half-precision policy has
+    cast the parameters and each rank has captured fp32 masters from its own initialisation: the
+    ranks' masters would differ and the ranks drift apart. So the broadcast happens here, in fp32,
+    before masters are taken.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+
+
+def prepare_model(cfg, device: torch.device, weights: Optional[dict] = None) -> PreparedModel:
+    """Build the model with fp32 `weights` (after a restart), move it to the device, take rank 0's
+    fp32 state, capture fp32 masters, cast layers per the precision policy, and only then let Ray
+    Train wrap it in DDP."""
+    policy = precision.Policy.from_config(cfg.precision)
+    _require_bf16_support(policy, device)
+    model = build_model(cfg.model)
+    if weights is not None:
+        model.load_state_dict(weights)
+    model.to(device)
+    broadcast_from_rank0(model)
+    plans = precision.plan(model, policy)
+    masters = MasterWeights(model, plans) if policy.master_weights else None
+    precision.apply(model, policy, plans, device.type)
+    params_bytes = sum(param_bytes_by_dtype(model).values())
+    audit = precision.Audit(model, policy, plans)
+    wrapped = ray.train.torch.prepare_model(model)
+    return PreparedModel(wrapped, model, masters, audit, params_bytes)
+
+
 def train_loop(config: dict[str, Any]) -> None:
     cfg = OmegaConf.create(config["job"])
     context = ray.train.get_context()
@@ -142,23 +195,11 @@ def train_loop(config: dict[str, Any]) -> None:
         steps_per_epoch = min(steps_per_epoch, cfg.run.max_steps_per_epoch)
     total_steps = steps_per_epoch * cfg.run.epochs
 
-    # Model and precision policy: fp32 weights (restored after a restart) on the device, fp32 masters
-    # captured, then layers cast per the policy, all before DDP wraps the model.
-    policy = precision.Policy.from_config(cfg.precision)
-    _require_bf16_support(policy, device)
-    model = build_model(cfg.model)
+    # Model under its precision policy, wrapped in DDP; the optimizer steps on fp32 masters if any.
     state = ckpt.load_state(ray.train.get_checkpoint())
-    if state is not None:
-        model.load_state_dict(state["model"])
-    model.to(device)
-    plans = precision.plan(model, policy)
-    masters = MasterWeights(model, plans) if policy.master_weights else None
-    precision.apply(model, policy, plans, device.type)
-    params_bytes = sum(param_bytes_by_dtype(model).values())
-    audit = precision.Audit(model, policy, plans)
-    model = ray.train.torch.prepare_model(model)
-    raw_model = model.module if hasattr(model, "module") else model
-    optimizer = build_optimizer(cfg.optim, masters.optimizer_params(raw_model) if masters else model.parameters())
+    prepared = prepare_model(cfg, device, weights=state["model"] if state is not None else None)
+    model, raw_model, masters, audit = prepared.model, prepared.raw, prepared.masters, prepared.audit
+    optimizer = build_optimizer(cfg.optim, prepared.optimizer_params())
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     scaler = make_scaler(amp, device.type)
     skipped = torch.zeros((), device=device)
@@ -210,7 +251,7 @@ def train_loop(config: dict[str, Any]) -> None:
         if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
             metrics.update(evaluate(model, eval_loader, amp, device))
         (peak,) = all_reduce([float(peak_bytes(device))], device, op=dist.ReduceOp.MAX)
-        metrics.update({"memory/peak_bytes": peak, "memory/params_bytes": float(params_bytes)})
+        metrics.update({"memory/peak_bytes": peak, "memory/params_bytes": float(prepared.params_bytes)})
 
         if rank == 0 and (last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0):
             state = {
