@@ -108,6 +108,21 @@ def resolve_preset(name: str) -> str:
     return canonical
 
 
+def load_precision(preset: str) -> DictConfig:
+    """The `precision` section a preset resolves to (schema defaults < the preset file), validated."""
+    from orchestrator.config.schema import PrecisionSection
+    from orchestrator.precision.amp import AmpSettings
+    from orchestrator.precision.policy import Policy
+
+    canonical = resolve_preset(preset)
+    preset_file = configs_dir() / "precision" / f"{canonical}.yaml"
+    section = _merge(OmegaConf.structured(PrecisionSection), load_yaml_mapping(preset_file, what="precision preset"),
+                     str(preset_file))
+    section.preset = canonical
+    AmpSettings.from_config(section), Policy.from_config(section)  # raise BadInput naming the key
+    return section
+
+
 def load_job(path: str | Path, overrides: Iterable[str] = (), base_dir: Optional[Path] = None) -> DictConfig:
     """The fully resolved, validated job config (a read-only typed DictConfig).
 
