@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 from omegaconf import DictConfig
 
-from orchestrator import data, models
+from orchestrator import data, faults, models
 from orchestrator.config import flatten, load_job, to_yaml
 from orchestrator.errors import BadInput
 
@@ -142,6 +142,7 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
             with ConsoleProgress(board):
                 result = trainer.fit()
         except TrainingFailedError as exc:
+            tracker.log_plots(cfg.precision.preset)
             tracker.finish("FAILED")
             print(f"\ntraining failed: {summarize_failure(exc)}", file=sys.stderr)
             print(f"MLflow run {tracker.run_id} marked FAILED. Full worker logs: Ray's session directory "
@@ -163,12 +164,13 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
                 tracker.set_tag("model_format", model_format)
             except Exception as exc:  # the trained run stands even if the model cannot be logged
                 print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
+        tracker.log_plots(cfg.precision.preset)
         exit_code = EXIT_OK
         if cfg.export.dtype is not None and result.checkpoint is not None:
             exit_code = _export_after_training(cfg, result.checkpoint, tracker)
         tracker.finish("FINISHED")
 
-        final = {k: v for k, v in (result.metrics or {}).items() if "/" in k}
+        final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
         print(f"\nRun finished: {tracker.run_id}")
         for key in ("eval/accuracy", "eval/loss", "train/loss", "amp/loss_scale", "amp/skipped_steps",
                     "perf/samples_per_s"):
@@ -208,7 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_OK
         data.ensure_available(cfg.data)
         # Built on the CPU here, so a broken model or a dangerous precision policy fails before Ray starts.
-        check_precision(cfg, models.build_model(cfg.model))
+        model = models.build_model(cfg.model)
+        check_precision(cfg, model)
+        faults.check(cfg.faults, model)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -19,8 +19,10 @@ from ray.train import UserCallback
 
 logger = logging.getLogger("ampflow.tracking")
 
-# Keys of a report that are bookkeeping for the progress line, not metrics.
-CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps"}
+# Keys of a report that are bookkeeping for the progress line (and run tags), not metrics.
+CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags"}
+# Every rank's skipped-step records, merged into one artifact.
+OVERFLOW_LOG = "amp/overflow_log"
 
 
 def resolve_uri(configured: Optional[str], base_dir: Path) -> str:
@@ -152,6 +154,22 @@ class RunTracker:
                                      input_example=input_example, serialization_format="pickle")
             return "pickle"
 
+    def latest_metrics(self) -> dict[str, float]:
+        """Each metric's newest value as the run holds it ({} when the store cannot be read)."""
+        try:
+            return dict(self.client.get_run(self.run_id).data.metrics)
+        except Exception:
+            return {}
+
+    def log_plots(self, policy: Optional[str]) -> None:
+        """The loss-scale and memory plots (best effort: a plot never fails a run)."""
+        from orchestrator.plots import log_run_plots
+
+        try:
+            log_run_plots(self.client, self.run_id, policy)
+        except Exception as exc:
+            logger.warning("ampflow: could not log the plots (%s).", exc)
+
     def finish(self, status: str) -> None:
         """FINISHED, FAILED or KILLED; a run is never left RUNNING."""
         self.client.set_terminated(self.run_id, status=status)
@@ -161,9 +179,11 @@ class RunTracker:
 
 
 class MlflowMetricsCallback(UserCallback):
-    """Runs on the Ray Train controller: logs rank 0's report to MLflow and feeds the progress board.
+    """Runs on the Ray Train controller: logs the workers' reports to MLflow and feeds the progress board.
 
-    Rank 0's numbers are already reduced over all ranks by the worker loop.
+    Metrics come from rank 0, already reduced over all ranks by the worker loop. The overflow log
+    is per rank: every rank's records are merged into `amp/overflow_log.json`. A report's `tags`
+    become run tags; other lists and dicts (e.g. `precision/audit`) become JSON artifacts.
     A failure to log is reported once and never stops training.
     """
 
@@ -171,19 +191,21 @@ class MlflowMetricsCallback(UserCallback):
         self.uri, self.run_id, self.board = uri, run_id, board
         self._client = None
         self._warned = False
+        self._overflow_log: list[dict[str, Any]] = []
+        self._last_step: dict[str, int] = {}
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         report = metrics[0]
         if self.board is not None:
-            self.board.update.remote(report)
+            self.board.update.remote({k: v for k, v in report.items() if not isinstance(v, (list, dict))})
         try:
-            self._log(report)
+            self._log(report, [m.get(OVERFLOW_LOG, []) for m in metrics])
         except Exception as exc:  # tracking is never worth a failed training run
             if not self._warned:
                 logger.warning("ampflow: could not log metrics to MLflow (%s); training goes on.", exc)
                 self._warned = True
 
-    def _log(self, report: dict[str, Any]) -> None:
+    def _log(self, report: dict[str, Any], overflow_records: list[list[dict[str, Any]]]) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Metric
 
@@ -191,9 +213,18 @@ class MlflowMetricsCallback(UserCallback):
             self._client = MlflowClient(tracking_uri=self.uri)
         step = int(report["step"])
         timestamp = int(time.time() * 1000)
+        # Each metric once per step: an epoch-end report repeats the step of the report before it.
         batch = [Metric(key, float(value), timestamp, step) for key, value in report.items()
-                 if key not in CONTROL_KEYS and isinstance(value, (int, float))]
+                 if key not in CONTROL_KEYS and isinstance(value, (int, float)) and step > self._last_step.get(key, -1)]
         self._client.log_batch(self.run_id, metrics=batch)
-        for key, value in report.items():  # structured results (e.g. precision/audit) become JSON artifacts
-            if isinstance(value, (list, dict)):
+        self._last_step.update({metric.key: step for metric in batch})
+        for key, value in report.get("tags", {}).items():
+            self._client.set_tag(self.run_id, key, str(value))
+        for key, value in report.items():
+            if key not in CONTROL_KEYS and key != OVERFLOW_LOG and isinstance(value, (list, dict)):
                 self._client.log_dict(self.run_id, value, f"{key}.json")
+        new_records = [record for records in overflow_records for record in records]
+        if new_records:
+            self._overflow_log = sorted(self._overflow_log + new_records,
+                                        key=lambda r: (r["step"], r.get("rank", -1)))
+            self._client.log_dict(self.run_id, self._overflow_log, f"{OVERFLOW_LOG}.json")

@@ -1,15 +1,15 @@
 """The training loop every Ray Train worker runs, top to bottom.
 
-One rank of a DDP job: build data, model, optimizer and scaler from the job
-config; train under autocast with GradScaler; report metrics every
-`tracking.log_every_n_steps` steps and at each epoch's end (with eval and a
-checkpoint). The controller-side tracking callback turns reports into MLflow.
+One rank of a DDP job: build data, then the model under its precision policy, optimizer and
+guarded GradScaler (`orchestrator.training`); train under autocast; report metrics every
+`tracking.log_every_n_steps` steps and at each epoch's end (with eval, memory and a checkpoint).
+The controller-side tracking callback turns reports into MLflow.
 """
 
 import random
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import ray.train
@@ -18,15 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch import nn
 
 from orchestrator import checkpoint as ckpt
-from orchestrator.data import build_datasets, build_loaders
-from orchestrator.memory import param_bytes_by_dtype, peak_bytes
-from orchestrator.models import build_model
-from orchestrator.optim import build_optimizer, build_scheduler
 from orchestrator import precision
-from orchestrator.precision import AmpSettings, MasterWeights, autocast_context, found_inf, loss_scale_of, make_scaler
+from orchestrator.data import build_datasets, build_loaders
+from orchestrator.faults import Faults
+from orchestrator.memory import peak_bytes, peak_reserved_bytes
+from orchestrator.precision import AmpSettings, LossScaleCollapsed, StepOutcome, autocast_context
+from orchestrator.training import Training, build_training, detached_copy
 
 
 class PolicyNotHonoured(RuntimeError):
@@ -45,6 +44,13 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+def per_rank(value: float, rank: int, world_size: int, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (one all-reduce of a one-hot vector)."""
+    values = [0.0] * world_size
+    values[rank] = value
+    return all_reduce(values, device)
 
 
 class Window:
@@ -72,22 +78,30 @@ class Window:
         return metrics
 
 
-def train_step(model, inputs, targets, optimizer, scaler, amp: AmpSettings, device: torch.device,
-               masters: Optional[MasterWeights] = None):
-    """One optimizer step under autocast + GradScaler. Returns (loss, found_inf or None), both on device."""
+def train_step(training: Training, inputs, targets, amp: AmpSettings, device: torch.device, step: int,
+               faults: Faults | None = None) -> tuple[torch.Tensor, StepOutcome]:
+    """One optimizer step under autocast; the guarded scaler steps or skips it the same on every rank."""
+    model, masters, ledger = training.prepared.model, training.prepared.masters, training.ledger
     inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-    with autocast_context(amp, device.type):
+    recording = ledger.probe.recording() if ledger.probe is not None else nullcontext()  # first step only
+    with autocast_context(amp, device.type), recording:
         loss = F.cross_entropy(model(inputs).float(), targets)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
+    if faults is not None:
+        loss = faults.loss(step, loss)
+    training.optimizer.zero_grad(set_to_none=True)
+    training.guard.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
+    ledger.record_backward()
     if masters:
         masters.grads_to_masters()  # the optimizer (and the unscale) works on fp32 copies
-    scaler.step(optimizer)  # skipped, and the scale backed off, when gradients are inf/nan
-    overflow = found_inf(scaler, optimizer)
-    scaler.update()
-    if masters:
-        masters.masters_to_params()
-    return loss, overflow
+    if faults is not None:
+        faults.gradients(step, training.named_tensors)
+    outcome = training.guard.step(training.optimizer, loss, step, training.named_tensors)
+    if outcome.stepped:
+        if masters:
+            masters.masters_to_params()
+        if not ledger.complete:
+            ledger.record_state(training.optimizer, masters)
+    return loss, outcome
 
 
 @torch.no_grad()
@@ -109,71 +123,28 @@ def evaluate(model, loader, amp: AmpSettings, device: torch.device) -> dict[str,
     return {"eval/loss": total_loss / max(total, 1.0), "eval/accuracy": total_correct / max(total, 1.0)}
 
 
-def _require_bf16_support(policy: precision.Policy, device: torch.device) -> None:
-    uses_bf16 = torch.bfloat16 in (policy.compute_dtype, policy.param_dtype) or any(
-        rule.dtype == torch.bfloat16 for rule in policy.rules)
-    if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeError(f"precision: bfloat16 asked, but {torch.cuda.get_device_name(device)} has no bfloat16 "
-                           "support. Use preset O1 or O2 (float16 with loss scaling).")
-
-
-def _check_audit(audit: precision.Audit) -> list[dict[str, Any]]:
+def close_audit(training: Training, into: dict[str, Any]) -> None:
+    """After the first forward pass under a (new) policy: what each layer really stored and computed in."""
+    audit = training.prepared.audit
+    if audit is None or not audit.outputs:
+        return
     entries = audit.close()
+    training.prepared.audit = None
     problems = precision.broken_promises(entries)
     if problems:
         raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
-    return entries
+    into["precision/audit"] = entries
 
 
-@dataclass
-class PreparedModel:
-    model: nn.Module
-    """What the loop calls: DDP-wrapped when there are several workers."""
-    raw: nn.Module
-    """The model inside DDP (for state dicts)."""
-    masters: Optional[MasterWeights]
-    audit: precision.Audit
-    """Records the first step's output dtypes; closed by the loop."""
-    params_bytes: int
-    """Bytes of the parameters as stored under the policy."""
-
-    def optimizer_params(self) -> Iterator[torch.Tensor]:
-        return self.masters.optimizer_params(self.raw) if self.masters else self.model.parameters()
-
-
-@torch.no_grad()
-def broadcast_from_rank0(model: nn.Module) -> None:
-    """Give every rank rank 0's fp32 parameters and buffers.
-
-    DDP broadcasts rank 0's state when it wraps the model, but by then a half-precision policy has
-    cast the parameters and each rank has captured fp32 masters from its own initialisation: the
-    ranks' masters would differ and the ranks drift apart. So the broadcast happens here, in fp32,
-    before masters are taken.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
-
-
-def prepare_model(cfg, device: torch.device, weights: Optional[dict] = None) -> PreparedModel:
-    """Build the model with fp32 `weights` (after a restart), move it to the device, take rank 0's
-    fp32 state, capture fp32 masters, cast layers per the precision policy, and only then let Ray
-    Train wrap it in DDP."""
-    policy = precision.Policy.from_config(cfg.precision)
-    _require_bf16_support(policy, device)
-    model = build_model(cfg.model)
-    if weights is not None:
-        model.load_state_dict(weights)
-    model.to(device)
-    broadcast_from_rank0(model)
-    plans = precision.plan(model, policy)
-    masters = MasterWeights(model, plans) if policy.master_weights else None
-    precision.apply(model, policy, plans, device.type)
-    params_bytes = sum(param_bytes_by_dtype(model).values())
-    audit = precision.Audit(model, policy, plans)
-    wrapped = ray.train.torch.prepare_model(model)
-    return PreparedModel(wrapped, model, masters, audit, params_bytes)
+def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:
+    """`memory/peak_bytes` (max over ranks) and `memory/peak_bytes/rank<r>` (and CUDA reserved)."""
+    peaks = per_rank(float(peak_bytes(device)), rank, world_size, device)
+    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/peak_bytes/rank{r}": p for r, p in enumerate(peaks)}}
+    reserved = peak_reserved_bytes(device)
+    if reserved is not None:
+        reserved_peaks = per_rank(float(reserved), rank, world_size, device)
+        metrics.update({f"memory/peak_reserved_bytes/rank{r}": p for r, p in enumerate(reserved_peaks)})
+    return metrics
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -183,6 +154,8 @@ def train_loop(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     seed_everything(cfg.run.seed + rank)
     amp = AmpSettings.from_config(cfg.precision)
+    faults = Faults(cfg.faults, rank)
+    on_collapse = cfg.precision.scaler.on_collapse
 
     # Data: every rank sees its own shard of the training set and of the eval set.
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
@@ -195,75 +168,83 @@ def train_loop(config: dict[str, Any]) -> None:
         steps_per_epoch = min(steps_per_epoch, cfg.run.max_steps_per_epoch)
     total_steps = steps_per_epoch * cfg.run.epochs
 
-    # Model under its precision policy, wrapped in DDP; the optimizer steps on fp32 masters if any.
+    # Model under its precision policy (DDP-wrapped), optimizer, schedule and guarded scaler,
+    # from the last checkpoint after a restart.
     state = ckpt.load_state(ray.train.get_checkpoint())
-    prepared = prepare_model(cfg, device, weights=state["model"] if state is not None else None)
-    model, raw_model, masters, audit = prepared.model, prepared.raw, prepared.masters, prepared.audit
-    optimizer = build_optimizer(cfg.optim, prepared.optimizer_params())
-    scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
-    scaler = make_scaler(amp, device.type)
-    skipped = torch.zeros((), device=device)
-
-    # Resume after a worker-group restart: continue from the last reported epoch.
-    start_epoch, global_step = 0, 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        start_epoch, global_step = state["epoch"] + 1, state["global_step"]
-        skipped += state["skipped_steps"]
-    pending: dict[str, Any] = {}  # non-metric results (the audit) that ride on the next report
+    build = dict(rank=rank, world_size=world_size, total_steps=total_steps)
+    training = build_training(cfg, device, state=state, **build)
+    start_epoch, global_step = (state["epoch"] + 1, state["global_step"]) if state is not None else (0, 0)
+    # What `on_collapse: rollback` returns to: the last checkpoint (or the start), kept on the CPU.
+    last_good = detached_copy(training.capture()) if on_collapse == "rollback" else None
+    pending: dict[str, Any] = {}  # non-metric results (audit, memory table, tags) that ride on the next report
 
     def common_metrics(epoch: int) -> dict[str, Any]:
-        return {
-            "epoch": epoch + 1, "epochs": cfg.run.epochs, "step": global_step, "total_steps": total_steps,
-            "amp/loss_scale": loss_scale_of(scaler), "amp/skipped_steps": skipped.item(),
-        }
+        return {"epoch": epoch + 1, "epochs": cfg.run.epochs, "step": global_step, "total_steps": total_steps,
+                **training.guard.metrics(), "amp/overflow_log": training.guard.drain_overflow_log()}
+
+    def read_window() -> dict[str, float]:
+        metrics = window.read()
+        training.guard.check_loss_window(metrics["train/loss"], global_step)
+        return metrics
 
     window = Window(device)
     for epoch in range(start_epoch, cfg.run.epochs):
         train_sampler.set_epoch(epoch)
-        model.train()
         for step_in_epoch, (inputs, targets) in enumerate(train_loader):
             if step_in_epoch >= steps_per_epoch:
                 break
-            loss, overflow = train_step(model, inputs, targets, optimizer, scaler, amp, device, masters)
-            if overflow is not None:
-                skipped += overflow
-            if audit is not None:  # after the first step: what each layer really stored and computed in
-                pending["precision/audit"] = _check_audit(audit)
-                audit = None
-            if scheduler is not None:
-                scheduler.step()
             global_step += 1
-            window.add(loss, targets.numel())
+            loss, outcome = train_step(training, inputs, targets, amp, device, global_step, faults)
+            close_audit(training, pending)
+            table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
+            if table is not None:
+                pending.update({"memory/breakdown": table, **training.ledger.metrics()})
+            if training.scheduler is not None:
+                training.scheduler.step()
+            if not outcome.nan_loss:
+                window.add(loss, targets.numel())
+
+            if outcome.collapse is not None:  # the same decision on every rank: the flags were agreed
+                layers = training.guard.overflowing_layers()
+                message = (f"loss scale collapsed at step {global_step}: {outcome.collapse}; overflowing layers: "
+                           f"{', '.join(layers) or 'none identified'}")
+                if on_collapse == "abort" or (on_collapse == "promote" and not layers):
+                    raise LossScaleCollapsed(
+                        f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or set "
+                        "precision.scaler.on_collapse: promote | rollback.")
+                if on_collapse == "promote":
+                    state = training.capture()
+                    state.pop("scaler")  # a fresh scale: the layers that overflowed are fp32 now
+                    state["promoted"] = list(dict.fromkeys(training.promoted + layers))
+                    pending["tags"] = {"precision.promoted": ",".join(state["promoted"])}
+                else:  # rollback: the last good weights, optimizer and scale; time (step, schedule) goes on
+                    now = training.capture()
+                    state = {**last_good, **{key: now[key] for key in ("scheduler", "counters", "promoted")}}
+                training = build_training(cfg, device, state=state, **build)
+                if rank == 0:
+                    training.guard.overflow_log.append({"step": global_step, "event": "collapse", "action": on_collapse,
+                                                        "reason": outcome.collapse, "layers": layers})
+
             if global_step % cfg.tracking.log_every_n_steps == 0:
-                ray.train.report({**common_metrics(epoch), **window.read(), **pending})
+                ray.train.report({**common_metrics(epoch), **read_window(), **pending})
                 pending.clear()
 
         # End of epoch: the rest of the window, evaluation, memory, and a checkpoint when due.
         last_epoch = epoch + 1 == cfg.run.epochs
-        metrics = {**common_metrics(epoch), **pending}
+        metrics = {**common_metrics(epoch), **training.guard.end_epoch(), **pending}
         pending.clear()
         if window.samples:
-            metrics.update(window.read())
+            metrics.update(read_window())
         if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
-            metrics.update(evaluate(model, eval_loader, amp, device))
-        (peak,) = all_reduce([float(peak_bytes(device))], device, op=dist.ReduceOp.MAX)
-        metrics.update({"memory/peak_bytes": peak, "memory/params_bytes": float(prepared.params_bytes)})
+            metrics.update(evaluate(training.prepared.model, eval_loader, amp, device))
+            close_audit(training, metrics)  # a policy changed on the epoch's last step shows in eval's forward
+        metrics.update(memory_peaks(rank, world_size, device))
+        metrics.update({"memory/params_bytes": float(training.prepared.params_bytes), **training.ledger.metrics()})
 
-        if rank == 0 and (last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0):
-            state = {
-                "model": masters.fp32_state_dict(raw_model) if masters else ckpt.fp32_state_dict(raw_model),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else {},
-                "epoch": epoch,
-                "global_step": global_step,
-                "skipped_steps": skipped.item(),
-            }
-            with ckpt.staged_checkpoint(state) as checkpoint:
-                ray.train.report(metrics, checkpoint=checkpoint)
-        else:
-            ray.train.report(metrics)
+        checkpoint_due = last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
+        if checkpoint_due:
+            state = {**training.capture(), "epoch": epoch, "global_step": global_step}
+            if last_good is not None:
+                last_good = detached_copy(state)
+        with ckpt.staged_checkpoint(state) if checkpoint_due and rank == 0 else nullcontext() as checkpoint:
+            ray.train.report(metrics, checkpoint=checkpoint)

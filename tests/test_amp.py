@@ -1,15 +1,22 @@
-"""Autocast and GradScaler: the scaler is on exactly for fp16, skipped steps are seen."""
+"""Autocast and the guarded GradScaler: on exactly for fp16, skips seen and counted, guardrails trip."""
 
 import pytest
 import torch
 from torch import nn
 
-from orchestrator.config.schema import PrecisionSection
-from orchestrator.precision import AmpSettings, autocast_context, found_inf, loss_scale_of, make_scaler
+from orchestrator.config.schema import PrecisionSection, ScalerGuardSection
+from orchestrator.precision import AmpSettings, GuardedScaler, NonFiniteLoss, autocast_context
+from orchestrator.precision.scaling import first_nonfinite
+
+CPU = torch.device("cpu")
 
 
 def settings(compute_dtype="float16", loss_scale="dynamic", **extra) -> AmpSettings:
     return AmpSettings.from_config(PrecisionSection(compute_dtype=compute_dtype, loss_scale=loss_scale, **extra))
+
+
+def guarded(amp=None, **guard) -> GuardedScaler:
+    return GuardedScaler(amp or settings(init_scale=1024.0), ScalerGuardSection(**guard), CPU)
 
 
 @pytest.mark.parametrize(
@@ -18,9 +25,9 @@ def settings(compute_dtype="float16", loss_scale="dynamic", **extra) -> AmpSetti
      ("bfloat16", "dynamic", False), ("float32", "dynamic", False)],
 )
 def test_scaler_enabled_exactly_for_fp16(compute_dtype, loss_scale, enabled):
-    scaler = make_scaler(settings(compute_dtype, loss_scale), "cpu")
-    assert scaler.is_enabled() is enabled
-    assert loss_scale_of(scaler) == (float(scaler.get_scale()) if enabled else 1.0)
+    guard = guarded(settings(compute_dtype, loss_scale))
+    assert guard.scaler.is_enabled() is enabled
+    assert guard.loss_scale() == (float(guard.scaler.get_scale()) if enabled else 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -33,43 +40,108 @@ def test_cpu_autocast_computes_in_the_asked_dtype(dtype):
     assert layer.weight.dtype == torch.float32  # autocast leaves parameters in fp32
 
 
-def _step_with_grad(scaler, optimizer, param, grad_value):
-    loss = (param * 1.0).sum()
-    scaler.scale(loss).backward()
+def _step(guard, optimizer, param, grad_value, loss_value=1.0, number=1):
+    """One guarded step whose gradient (after scaling) is `grad_value` everywhere."""
+    loss = (param * 1.0).sum() * loss_value
+    optimizer.zero_grad()
+    guard.scale(loss).backward()
     param.grad.fill_(grad_value)
     before = param.detach().clone()
-    scaler.step(optimizer)
-    flag = found_inf(scaler, optimizer)
-    scaler.update()
-    return flag, before
+    outcome = guard.step(optimizer, loss, number, [("layer.weight", param)])
+    return outcome, before
 
 
-def test_overflow_step_is_skipped_and_counted_and_scale_backs_off():
+def _param_and_optimizer():
     param = nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = make_scaler(settings(init_scale=1024.0), "cpu")
-    flag, before = _step_with_grad(scaler, optimizer, param, float("inf"))
-    assert flag.item() == 1.0
+    return param, torch.optim.SGD([param], lr=0.1)
+
+
+def test_overflow_step_is_skipped_counted_logged_and_the_scale_backs_off():
+    guard = guarded()
+    param, optimizer = _param_and_optimizer()
+    outcome, before = _step(guard, optimizer, param, float("inf"), number=7)
+    assert outcome.overflow and not outcome.stepped
     assert torch.equal(param.detach(), before)  # the optimizer step was skipped
-    assert loss_scale_of(scaler) == 512.0  # backoff_factor 0.5
-    optimizer.zero_grad()
-    flag, before = _step_with_grad(scaler, optimizer, param, 1.0)
-    assert flag.item() == 0.0
-    assert not torch.equal(param.detach(), before)
+    assert guard.loss_scale() == 512.0  # backoff_factor 0.5
+    (record,) = guard.drain_overflow_log()
+    assert (record["step"], record["rank"], record["layer"], record["kind"]) == (7, 0, "layer", "inf")
+    assert record["loss_scale"] == 1024.0  # the scale the overflow happened at
+    outcome, before = _step(guard, optimizer, param, 1.0)
+    assert outcome.stepped and not torch.equal(param.detach(), before)
+    metrics = guard.metrics()
+    assert metrics["amp/skipped_steps"] == 1.0 and metrics["amp/consecutive_skips"] == 0.0
+    assert guard.end_epoch() == {"amp/skip_rate": 0.5}
+    assert guard.end_epoch() == {"amp/skip_rate": 0.0}  # per epoch: the counts start again
 
 
-def test_fixed_loss_scale_never_moves():
-    param = nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = make_scaler(settings(loss_scale="128", growth_interval=1), "cpu")
+def test_growth_events_follow_the_scaler():
+    guard = guarded(settings(init_scale=8.0, growth_interval=2))
+    param, optimizer = _param_and_optimizer()
+    for _ in range(4):
+        _step(guard, optimizer, param, 0.01)
+    assert guard.loss_scale() == 32.0  # grew twice
+    assert guard.metrics()["amp/growth_events"] == 2.0
+
+
+def test_fixed_loss_scale_never_moves_but_still_skips():
+    guard = guarded(settings(loss_scale="128", growth_interval=1))
+    param, optimizer = _param_and_optimizer()
     for grad in (float("nan"), 1.0, 1.0):
-        optimizer.zero_grad()
-        _step_with_grad(scaler, optimizer, param, grad)
-        assert loss_scale_of(scaler) == 128.0
+        outcome, _ = _step(guard, optimizer, param, grad)
+        assert guard.loss_scale() == 128.0
+    assert guard.metrics()["amp/skipped_steps"] == 1.0 and guard.metrics()["amp/growth_events"] == 0.0
 
 
-def test_found_inf_is_none_without_scaler():
-    param = nn.Parameter(torch.ones(1))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = make_scaler(settings("bfloat16", "none"), "cpu")
-    assert found_inf(scaler, optimizer) is None
+def test_nan_loss_is_skipped_without_backing_off_or_aborts():
+    guard = guarded(on_nan_loss="skip")
+    param, optimizer = _param_and_optimizer()
+    outcome, before = _step(guard, optimizer, param, 1.0, loss_value=float("nan"))
+    assert outcome.nan_loss and not outcome.stepped and not outcome.overflow
+    assert torch.equal(param.detach(), before)
+    assert guard.loss_scale() == 1024.0  # not an overflow: the scale stays
+    assert guard.metrics()["amp/nan_loss_steps"] == 1.0
+
+    with pytest.raises(NonFiniteLoss, match="step 5.*on_nan_loss: skip"):
+        _step(guarded(on_nan_loss="abort"), optimizer, param, 1.0, loss_value=float("nan"), number=5)
+
+
+def test_nan_loss_skip_works_without_a_scaler_too():
+    guard = guarded(settings("bfloat16", "none"), on_nan_loss="skip")
+    param, optimizer = _param_and_optimizer()
+    outcome, before = _step(guard, optimizer, param, 1.0, loss_value=float("inf"))
+    assert outcome.nan_loss and torch.equal(param.detach(), before)
+
+
+def test_without_a_scaler_a_nan_loss_is_caught_when_the_window_is_read():
+    guard = guarded(settings("bfloat16", "none"))  # on_nan_loss: abort, nothing agreed per step
+    param, optimizer = _param_and_optimizer()
+    outcome, _ = _step(guard, optimizer, param, 1.0, loss_value=float("nan"))
+    assert outcome.stepped  # no per-step sync: the step went through
+    guard.check_loss_window(1.5, step=10)
+    with pytest.raises(NonFiniteLoss, match="up to 10"):
+        guard.check_loss_window(float("nan"), step=10)
+
+
+def test_collapse_after_too_many_consecutive_skips_and_below_min_scale():
+    guard = guarded(max_consecutive_skips=2, min_scale=None)
+    param, optimizer = _param_and_optimizer()
+    reasons = [_step(guard, optimizer, param, float("inf"))[0].collapse for _ in range(3)]
+    assert reasons[:2] == [None, None] and "3 consecutive skipped steps" in reasons[2]
+
+    guard = guarded(max_consecutive_skips=None, min_scale=300.0)  # 1024 -> 512 -> 256 < 300
+    reasons = [_step(guard, optimizer, param, float("inf"))[0].collapse for _ in range(2)]
+    assert reasons[0] is None and "loss scale 256 < min_scale=300" in reasons[1]
+    assert guard.overflowing_layers() == ["layer"]
+    _step(guard, optimizer, param, 1.0)
+    assert guard.overflowing_layers() == []  # a clean step ends the streak
+
+
+def test_first_nonfinite_names_the_layer_nearest_the_output():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    with torch.no_grad():
+        model[0].weight.grad[0, 0] = float("inf")  # spread to the input side...
+        model[2].weight.grad[1, 1] = float("nan")  # ...from where it began
+    record = first_nonfinite(list(model.named_parameters()))
+    assert (record["layer"], record["param"], record["kind"], record["nonfinite_count"]) == ("2", "2.weight", "nan", 1)
+    assert record["max_abs_grad"] == pytest.approx(model[2].weight.grad.nan_to_num(0).abs().max().item())

@@ -10,9 +10,9 @@ from orchestrator.config import load_job
 from orchestrator.config.loader import configs_dir
 from orchestrator.models import build_model
 from orchestrator.optim import build_optimizer
-from orchestrator.precision import (AmpSettings, Audit, MasterWeights, Policy, apply, broken_promises,
-                                    make_scaler, plan)
+from orchestrator.precision import AmpSettings, broken_promises
 from orchestrator.precision.lint import lint
+from orchestrator.training import build_training
 from orchestrator.worker import train_step
 
 QUICKSTART = configs_dir().parent / "jobs" / "quickstart.yaml"
@@ -22,26 +22,23 @@ def job(*overrides):
     return load_job(QUICKSTART, list(overrides))
 
 
-def prepared(cfg, model=None):
-    """The worker's set-up without Ray: plan, masters, cast, audit, optimizer, scaler."""
-    model = model or build_model(cfg.model)
-    policy = Policy.from_config(cfg.precision)
-    plans = plan(model, policy)
-    masters = MasterWeights(model, plans) if policy.master_weights else None
-    apply(model, policy, plans, "cpu")
-    audit = Audit(model, policy, plans)
-    params = masters.optimizer_params(model) if masters else model.parameters()
-    optimizer = build_optimizer(cfg.optim, params)
-    amp = AmpSettings.from_config(cfg.precision)
-    return model, audit, optimizer, make_scaler(amp, "cpu"), amp, masters
+CPU = torch.device("cpu")
 
 
-def one_step_audit(cfg, batch=4, model=None):
-    model, audit, optimizer, scaler, amp, masters = prepared(cfg, model)
-    inputs, targets = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-    loss, _ = train_step(model, inputs, targets, optimizer, scaler, amp, torch.device("cpu"), masters)
-    entries = audit.close()
-    return {e["name"]: e for e in entries}, loss, model
+def prepared(cfg):
+    """The worker's set-up without Ray (no DDP): policy applied, masters, optimizer, guarded scaler."""
+    return build_training(cfg, CPU, total_steps=10, ddp=False)
+
+
+def step(training, cfg, inputs, targets, step_number=1):
+    return train_step(training, inputs, targets, AmpSettings.from_config(cfg.precision), CPU, step_number)
+
+
+def one_step_audit(cfg, batch=4):
+    training = prepared(cfg)
+    loss, _ = step(training, cfg, torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
+    entries = training.prepared.audit.close()
+    return {e["name"]: e for e in entries}, loss, training.prepared.raw
 
 
 def dtypes_by_type(entries, key):
@@ -99,11 +96,11 @@ def test_policy_with_rules_from_the_issue_is_honoured_on_simple_cnn():
 
 def test_audit_catches_a_layer_that_breaks_its_promise():
     cfg = job("precision.preset=O2")
-    model, audit, optimizer, scaler, amp, masters = prepared(cfg)
+    training = prepared(cfg)
+    model = training.prepared.raw
     model.features[0].weight.data = model.features[0].weight.data.float()  # someone undid the cast
-    train_step(model, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)), optimizer, scaler, amp,
-               torch.device("cpu"), masters)
-    problems = broken_promises(audit.close())
+    step(training, cfg, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
+    problems = broken_promises(training.prepared.audit.close())
     assert any("features.0" in p and "float32" in p for p in problems)
 
 
@@ -114,16 +111,16 @@ def test_fp16_params_with_adam_without_masters_is_a_lint_error_and_with_masters_
 
     with_masters = job("precision.preset=O2", "optim.name=adam", "optim.lr=0.001")
     assert lint(with_masters, build_model(with_masters.model)) == []
-    model, _, optimizer, scaler, amp, masters = prepared(with_masters)
+    training = prepared(with_masters)
+    model = training.prepared.raw
     generator = torch.Generator().manual_seed(0)
-    for _ in range(4):
+    for number in range(1, 5):
         inputs = torch.randn(4, 3, 32, 32, generator=generator)
-        loss, _ = train_step(model, inputs, torch.randint(0, 10, (4,), generator=generator), optimizer, scaler,
-                             amp, torch.device("cpu"), masters)
+        loss, _ = step(training, with_masters, inputs, torch.randint(0, 10, (4,), generator=generator), number)
         assert math.isfinite(loss.item())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert model.features[0].weight.dtype == torch.float16
-    state = masters.fp32_state_dict(model)
+    state = training.prepared.fp32_state_dict()
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     # The half parameter is the rounded master: the optimizer really stepped on fp32.
     assert torch.equal(state["features.0.weight"].half(), model.features[0].weight.detach())
@@ -152,7 +149,7 @@ def test_clean_presets_have_no_lint_findings():
 
 def test_batchnorm_kept_fp32_runs_in_eval_mode_under_o2():
     cfg = job("precision.preset=O2", "model.name=resnet18")
-    model, *_ = prepared(cfg)
+    model = prepared(cfg).prepared.raw
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         logits = model(torch.randn(2, 3, 32, 32))

@@ -68,6 +68,21 @@ class RuleSection:
 
 
 @dataclass
+class ScalerGuardSection:
+    min_scale: Optional[float] = 1.0
+    """The loss scale has collapsed when it falls below this (null: never checked)."""
+    max_consecutive_skips: Optional[int] = 25
+    """The loss scale has collapsed after more consecutive skipped steps than this (null: never checked)."""
+    on_collapse: str = "abort"
+    """What a collapse does: `abort` (fail, naming the overflowing layers), `rollback` (restore the last
+    checkpoint's weights, optimizer and scaler, and go on), `promote` (move the overflowing layers to fp32
+    through the policy, and go on)."""
+    on_nan_loss: str = "abort"
+    """A non-finite loss (not a gradient overflow): `abort`, or `skip` the step without backing off the
+    scale. The same decision on every rank. `skip` costs a host sync per step when no GradScaler runs."""
+
+
+@dataclass
 class PrecisionSection:
     preset: Optional[str] = None
     """A preset in configs/precision/ (O0..O3, bf16-mixed, bf16-true) or a Lightning alias (`16-mixed`)."""
@@ -93,6 +108,8 @@ class PrecisionSection:
     """Clean steps between scale increases."""
     lint: str = "error"
     """What a dangerous combination found before training does: `error` (exit 2), `warn`, or `off`."""
+    scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
+    """Guardrails on the loss scale and on non-finite losses."""
 
 
 @dataclass
@@ -101,6 +118,20 @@ class ExportSection:
     """After training, export the model in this dtype (`float16` or `bfloat16`); None: no export."""
     max_accuracy_drop: float = 0.01
     """Refuse the export when its eval accuracy is lower than fp32's by more than this (0.01 = 1 point)."""
+
+
+@dataclass
+class FaultsSection:
+    """Deliberate failures for tests and drills; all off by default. Steps are global steps, from 1."""
+
+    overflow_at_steps: List[int] = field(default_factory=list)
+    """Steps whose gradients get an inf written into them after backward (a fake fp16 overflow)."""
+    overflow_layer: Optional[str] = None
+    """Qualified name of the layer whose gradient gets the inf; null: the model's last layer with parameters."""
+    overflow_rank: Optional[int] = None
+    """Only this rank's gradient gets the inf (the ranks then disagree); null: every rank."""
+    nan_loss_at_step: Optional[int] = None
+    """The step whose loss is made NaN on every rank (a forward pass that is not finite)."""
 
 
 @dataclass
@@ -179,3 +210,5 @@ class JobConfig:
     """How many worker failures are retried."""
     export: ExportSection = field(default_factory=ExportSection)
     """Half-precision export of the trained model for deployment."""
+    faults: FaultsSection = field(default_factory=FaultsSection)
+    """Fault injection for tests and drills (off by default)."""

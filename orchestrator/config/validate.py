@@ -12,6 +12,8 @@ from orchestrator.precision.policy import Policy
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("none", "cosine", "onecycle")
 LINT_LEVELS = ("error", "warn", "off")
+ON_COLLAPSE = ("abort", "rollback", "promote")
+ON_NAN_LOSS = ("abort", "skip")
 
 
 def _require(ok: bool, source: str, key: str, message: str) -> None:
@@ -47,6 +49,20 @@ def validate(cfg: DictConfig, source: str) -> None:
         raise BadInput(f"{source}: {exc}") from None
 
     r(cfg.precision.lint in LINT_LEVELS, "precision.lint", f"must be one of {', '.join(LINT_LEVELS)}.")
+    guard = cfg.precision.scaler
+    r(guard.on_collapse in ON_COLLAPSE, "precision.scaler.on_collapse", f"must be one of {', '.join(ON_COLLAPSE)}.")
+    r(guard.on_nan_loss in ON_NAN_LOSS, "precision.scaler.on_nan_loss", f"must be one of {', '.join(ON_NAN_LOSS)}.")
+    r(guard.min_scale is None or (math.isfinite(guard.min_scale) and guard.min_scale >= 0),
+      "precision.scaler.min_scale", f"must be a finite number >= 0, or null to disable, got {guard.min_scale}.")
+    r(guard.max_consecutive_skips is None or guard.max_consecutive_skips >= 0,
+      "precision.scaler.max_consecutive_skips", "must be >= 0, or null to disable.")
+    faults = cfg.faults
+    r(all(step >= 1 for step in faults.overflow_at_steps), "faults.overflow_at_steps",
+      "steps are global optimizer steps counted from 1.")
+    r(faults.overflow_rank is None or 0 <= faults.overflow_rank < cfg.scaling.num_workers, "faults.overflow_rank",
+      f"must be a rank in 0..{cfg.scaling.num_workers - 1}, or null for every rank.")
+    r(faults.nan_loss_at_step is None or faults.nan_loss_at_step >= 1, "faults.nan_loss_at_step",
+      "steps are global optimizer steps counted from 1.")
     export_dtype = cfg.export.dtype
     r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")

@@ -106,21 +106,3 @@ def make_scaler(settings: AmpSettings, device_type: str) -> torch.amp.GradScaler
     if isinstance(settings.loss_scale, float):
         return FixedScaler(init_scale=settings.loss_scale, **kwargs)
     return torch.amp.GradScaler(init_scale=settings.init_scale, **kwargs)
-
-
-def loss_scale_of(scaler: torch.amp.GradScaler) -> float:
-    """The current scale; 1.0 when no scaler is active (the loss is used as is)."""
-    return float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-
-
-def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
-    """1.0 when the step just taken was skipped for inf/nan gradients, as a device tensor (no sync).
-
-    Call between `scaler.step(optimizer)` and `scaler.update()`. GradScaler keeps the flags it
-    computed in `_per_optimizer_states` (private, unchanged since torch 1.6); reading them avoids
-    another host sync per step. None when the scaler is off (nothing is ever skipped).
-    """
-    if not scaler.is_enabled():
-        return None
-    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    return sum(flag.float() for flag in flags.values()) if flags else None

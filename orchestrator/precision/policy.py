@@ -8,9 +8,9 @@ its dtype and hand its neighbours what they expect. Apply before DDP wrapping.
 """
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -22,10 +22,16 @@ NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.mo
 AUTOCAST_TYPES = (nn.modules.conv._ConvNd, nn.Linear)
 
 
+PROMOTED = "promoted"
+"""The `rule` the audit shows for a layer moved to fp32 at run time (`on_collapse: promote`)."""
+
+
 @dataclass(frozen=True)
 class Rule:
     match: str
     dtype: torch.dtype
+    label: Optional[str] = None
+    """What the audit names as the deciding rule; the glob itself when None."""
 
     def matches(self, qualified_name: str, module: nn.Module) -> bool:
         return fnmatch.fnmatchcase(type(module).__name__, self.match) or (
@@ -58,6 +64,11 @@ class Policy:
     @property
     def autocast(self) -> bool:
         return self.compute_dtype != torch.float32
+
+    def with_promoted(self, layers: Sequence[str]) -> "Policy":
+        """This policy with each named layer (qualified name) moved to fp32, ahead of every other rule."""
+        promoted = tuple(Rule(name, torch.float32, label=PROMOTED) for name in layers)
+        return replace(self, rules=promoted + self.rules)
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,7 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
     for name, module in model.named_modules():
         parent = plans.get(name.rpartition(".")[0]) if name else None
         rule = next((r for r in policy.rules if r.matches(name, module)), None)
-        decided_by = rule.match if rule else None
+        decided_by = (rule.label or rule.match) if rule else None
         dtype = rule.dtype if rule else None
         if rule is None and policy.keep_norm_fp32 and isinstance(module, NORM_TYPES):
             decided_by, dtype = "keep_norm_fp32", torch.float32

@@ -1,0 +1,247 @@
+"""The optimizer step under a GradScaler, agreed by every rank, watched, and guarded.
+
+`GuardedScaler.step()` replaces `scaler.step(); scaler.update()`:
+
+1. unscale the gradients (GradScaler finds inf/nan on this rank);
+2. all-reduce one small vector holding every rank's found-inf flag and non-finite-loss flag, and
+   read it on the host once: the single sync GradScaler's own `step()` does anyway. Every rank
+   then takes the same decision, and ranks that disagree are seen;
+3. step, skip for an overflow (the scale backs off), or skip for a non-finite loss (the scale is
+   left alone, `precision.scaler.on_nan_loss: skip`) or abort;
+4. keep the telemetry (`amp/*` metrics), the overflow log, and check the collapse guardrails.
+
+Without an active scaler (fp32, bf16) and with `on_nan_loss: abort` there is nothing to agree on
+per step: the optimizer steps without any sync, and a non-finite loss is caught when the loss
+window is read (`check_loss_window`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.precision.amp import AmpSettings, make_scaler
+
+
+class LossScaleCollapsed(RuntimeError):
+    """The loss scale collapsed and `precision.scaler.on_collapse` is `abort`."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss was not finite and `precision.scaler.on_nan_loss` is `abort`."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    stepped: bool
+    """The optimizer stepped."""
+    overflow: bool = False
+    """Skipped: inf/nan gradients on some rank; the scale backed off."""
+    nan_loss: bool = False
+    """Skipped: the loss itself was not finite on some rank; the scale was left alone."""
+    collapse: Optional[str] = None
+    """Why the loss scale counts as collapsed after this step (a guardrail tripped), if it does."""
+
+
+@dataclass
+class Counters:
+    """Cumulative over the run (restored from checkpoints)."""
+
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    growth_events: int = 0
+    rank_disagreements: int = 0
+    nan_loss_steps: int = 0
+    clean_streak: int = 0
+    """Clean steps since the last growth or backoff: mirrors GradScaler's growth tracker on the host."""
+    epoch_steps: int = 0
+    epoch_skipped: int = 0
+
+
+def _layer_of(param_name: str) -> str:
+    return param_name.rpartition(".")[0] or param_name
+
+
+@dataclass
+class GuardedScaler:
+    amp: AmpSettings
+    guard: Any
+    """The `precision.scaler` section."""
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        self.scaler = make_scaler(self.amp, self.device.type)
+        self.dynamic = self.scaler.is_enabled() and self.amp.loss_scale == "dynamic"
+        self.agree_each_step = self.scaler.is_enabled() or self.guard.on_nan_loss == "skip"
+        self.overflow_log: list[dict[str, Any]] = []
+        """Records not yet reported (drained by `drain_overflow_log`)."""
+        self.streak_layers: list[str] = []
+        """Layers found overflowing during the current run of consecutive skips."""
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int,
+             named_tensors: Sequence[tuple[str, torch.Tensor]]) -> StepOutcome:
+        """Step or skip, the same on every rank. `named_tensors`: the optimizer's tensors by parameter name."""
+        self.counters.epoch_steps += 1
+        if not self.agree_each_step:
+            optimizer.step()
+            self._clean_step()
+            return StepOutcome(stepped=True)
+
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(optimizer)
+        found_by_rank, nan_by_rank = self._agree(optimizer, loss)
+
+        if any(nan_by_rank):
+            self.counters.nan_loss_steps += 1
+            if self.guard.on_nan_loss == "abort":
+                raise NonFiniteLoss(
+                    f"the loss was not finite at step {step} on rank(s) "
+                    f"{[r for r, bad in enumerate(nan_by_rank) if bad]}. Inspect the data and the forward pass, "
+                    "keep fragile layers in fp32 with precision.rules, or set precision.scaler.on_nan_loss: skip.")
+            if self.scaler.is_enabled():  # clear this step's inf checks without backing off the scale
+                self.scaler.update(float(self.scaler.get_scale()))
+            self._skipped()
+            return StepOutcome(stepped=False, nan_loss=True)
+
+        if any(found_by_rank):
+            if not all(found_by_rank):
+                self.counters.rank_disagreements += 1
+                if self.rank == 0:  # one record of the disagreement, not one per rank
+                    self.overflow_log.append({"step": step, "event": "ranks_disagree",
+                                             "found_inf_by_rank": [int(f) for f in found_by_rank]})
+            if found_by_rank[self.rank]:
+                record = first_nonfinite(named_tensors)
+                if record is not None:
+                    self.streak_layers.append(record["layer"])
+                    self.overflow_log.append({"step": step, "rank": self.rank, "event": "overflow",
+                                              "loss_scale": float(self.scaler.get_scale()), **record})
+            self._mark_found_inf(optimizer)
+            self.scaler.update()  # backs off, identically on every rank
+            self._skipped()
+            self.counters.clean_streak = 0
+            return StepOutcome(stepped=False, overflow=True, collapse=self._collapse_reason())
+
+        optimizer.step()
+        self.scaler.update()
+        self._clean_step()
+        return StepOutcome(stepped=True)
+
+    def _agree(self, optimizer, loss: torch.Tensor) -> tuple[list[float], list[float]]:
+        """Every rank's (found_inf, loss_not_finite), in one all-reduce and one host read."""
+        flags = torch.zeros(2 * self.world_size, device=self.device)
+        if self.scaler.is_enabled():
+            found = self._found_inf_tensors(optimizer)
+            flags[self.rank] = torch.stack([f.to(self.device).reshape(()) for f in found]).sum().clamp(max=1)
+        flags[self.world_size + self.rank] = (~torch.isfinite(loss.detach())).float()
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+        host = flags.tolist()
+        return host[: self.world_size], host[self.world_size:]
+
+    def _found_inf_tensors(self, optimizer) -> list[torch.Tensor]:
+        # GradScaler keeps the per-device flags unscale_() computed in `_per_optimizer_states`
+        # (private, unchanged since torch 1.6); reading them saves another sync.
+        return list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+    def _mark_found_inf(self, optimizer) -> None:
+        """Make this rank's update() back off even when only another rank found inf."""
+        for flag in self._found_inf_tensors(optimizer):
+            flag.fill_(1.0)
+
+    def _skipped(self) -> None:
+        self.counters.skipped_steps += 1
+        self.counters.epoch_skipped += 1
+        self.counters.consecutive_skips += 1
+
+    def _clean_step(self) -> None:
+        self.counters.consecutive_skips = 0
+        self.streak_layers.clear()
+        if self.dynamic:
+            self.counters.clean_streak += 1
+            if self.counters.clean_streak == self.amp.growth_interval:
+                self.counters.growth_events += 1
+                self.counters.clean_streak = 0
+
+    def _collapse_reason(self) -> Optional[str]:
+        limit = self.guard.max_consecutive_skips
+        if limit is not None and self.counters.consecutive_skips > limit:
+            return f"{self.counters.consecutive_skips} consecutive skipped steps (max_consecutive_skips={limit})"
+        scale = float(self.scaler.get_scale())  # read only on skipped steps: the scale only falls there
+        if self.guard.min_scale is not None and self.dynamic and scale < self.guard.min_scale:
+            return f"loss scale {scale:g} < min_scale={self.guard.min_scale:g}"
+        return None
+
+    # -- telemetry ------------------------------------------------------------------------------
+
+    def loss_scale(self) -> float:
+        """The current scale; 1.0 when no scaler is active (the loss is used as is)."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        return {"amp/loss_scale": self.loss_scale(), "amp/skipped_steps": float(c.skipped_steps),
+                "amp/consecutive_skips": float(c.consecutive_skips), "amp/growth_events": float(c.growth_events),
+                "amp/rank_disagreements": float(c.rank_disagreements), "amp/nan_loss_steps": float(c.nan_loss_steps)}
+
+    def end_epoch(self) -> dict[str, float]:
+        """`amp/skip_rate`: the share of this epoch's steps that were skipped."""
+        c = self.counters
+        rate = c.epoch_skipped / c.epoch_steps if c.epoch_steps else 0.0
+        c.epoch_steps = c.epoch_skipped = 0
+        return {"amp/skip_rate": rate}
+
+    def drain_overflow_log(self) -> list[dict[str, Any]]:
+        records, self.overflow_log = self.overflow_log, []
+        return records
+
+    def overflowing_layers(self) -> list[str]:
+        """The layers found overflowing in the current streak, on any rank (a collective: call on every rank)."""
+        layers = list(dict.fromkeys(self.streak_layers))
+        if self.world_size > 1:
+            gathered: list[Optional[list[str]]] = [None] * self.world_size
+            dist.all_gather_object(gathered, layers)
+            layers = list(dict.fromkeys(name for part in gathered for name in (part or [])))
+        return layers
+
+    def check_loss_window(self, loss_sum: float, step: int) -> None:
+        """Without per-step agreement, a non-finite loss shows in the (all-reduced) loss window."""
+        if not self.agree_each_step and not torch.isfinite(torch.tensor(loss_sum)):
+            self.counters.nan_loss_steps += 1
+            raise NonFiniteLoss(
+                f"the loss was not finite in the steps up to {step}. Inspect the data and the forward pass, "
+                "or set precision.scaler.on_nan_loss: skip to skip such steps.")
+
+
+@torch.no_grad()
+def first_nonfinite(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
+    """The first gradient, in backward order (output side first), holding inf or nan.
+
+    An overflow starts at one layer and spreads toward the input as backward goes on, so the
+    layer nearest the output is where it began. `max_abs_grad`: the largest finite |gradient|
+    of that parameter, unscaled.
+    """
+    grads = [(name, tensor.grad) for name, tensor in reversed(named_tensors) if tensor.grad is not None]
+    if not grads:
+        return None
+    finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
+    for (name, grad), ok in zip(grads, finite):
+        if ok:
+            continue
+        good = torch.isfinite(grad)
+        finite_values = grad[good]
+        return {
+            "layer": _layer_of(name), "param": name,
+            "kind": "nan" if bool(torch.isnan(grad).any()) else "inf",
+            "max_abs_grad": float(finite_values.abs().max()) if finite_values.numel() else None,
+            "nonfinite_count": int((~good).sum()),
+        }
+    return None
