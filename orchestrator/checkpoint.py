@@ -1,19 +1,37 @@
-"""Train state <-> ray.train.Checkpoint.
+"""Train state <-> ray.train.Checkpoint, never trusted half-written.
 
-Weights are always stored in fp32, whatever the training precision; everything
-is plain tensors and numbers so loading works with `torch.load(weights_only=True)`.
+A checkpoint directory holds, from every rank r that reported it:
+- `train_state.pt` (rank 0): fp32 weights, optimizer, scaler, schedule, counters, position,
+  the effective precision policy (promoted layers included) and the MLflow run id;
+- `rank<r>.pt`: that rank's RNG states and its unreported loss window;
+- `manifest_rank<r>.json`: the SHA-256 of each of those files, written last.
+A checkpoint is valid for a rank only when rank 0's and its own manifest exist and every file
+matches its hash, so a truncated or half-uploaded directory is never loaded. Everything is
+plain tensors, numbers and strings: it loads with `torch.load(weights_only=True)`.
 """
 
+import errno
+import hashlib
+import json
+import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import ray.train
 import torch
 from torch import nn
 
 STATE_FILE = "train_state.pt"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); nothing of it was kept."""
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint directory that is incomplete or does not match its manifest."""
 
 
 def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -23,16 +41,122 @@ def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def manifest_file(rank: int) -> str:
+    return f"manifest_rank{rank}.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    save(obj, partial)
+    os.replace(partial, path)
+
+
+def write_checkpoint_files(directory: Path, rank: int, shared: Optional[dict[str, Any]], own: dict[str, Any],
+                           save: Callable[[Any, Path], None] = torch.save) -> None:
+    """This rank's files (and `shared` = train_state.pt on rank 0), then the manifest that vouches for them."""
+    written = {}
+    if shared is not None:
+        _save_atomically(shared, directory / STATE_FILE, save)
+        written[STATE_FILE] = _sha256(directory / STATE_FILE)
+    _save_atomically(own, directory / rank_file(rank), save)
+    written[rank_file(rank)] = _sha256(directory / rank_file(rank))
+    (directory / manifest_file(rank)).write_text(json.dumps(written))
+
+
 @contextmanager
-def staged_checkpoint(state: dict[str, Any]) -> Iterator[ray.train.Checkpoint]:
-    """Write `state` to a temporary directory and yield it as a Checkpoint to report."""
+def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str, Any], step: int,
+                      save: Callable[[Any, Path], None] = torch.save) -> Iterator[ray.train.Checkpoint]:
+    """Write this rank's part of a checkpoint to a temporary directory and yield it to report.
+
+    A failed write (ENOSPC, I/O error) removes the temporary directory and raises
+    CheckpointWriteError: the previous checkpoint stays the newest, untouched.
+    """
     with tempfile.TemporaryDirectory(prefix="ampflow-ckpt-") as tmp:
-        torch.save(state, Path(tmp) / STATE_FILE)
+        try:
+            write_checkpoint_files(Path(tmp), rank, shared, own, save)
+        except OSError as exc:
+            hint = " The disk is full: free space or point checkpoint.storage_path elsewhere." \
+                if exc.errno == errno.ENOSPC else ""
+            raise CheckpointWriteError(
+                f"could not write the checkpoint of step {step} on rank {rank} ({exc}).{hint} "
+                "The previous checkpoint is intact; resume from it with `python -m orchestrator.submit JOB --resume`."
+            ) from exc
         yield ray.train.Checkpoint.from_directory(tmp)
 
 
-def load_state(checkpoint: Optional[ray.train.Checkpoint]) -> Optional[dict[str, Any]]:
+def _verified(directory: Path, rank: int, name: str) -> Path:
+    owner = 0 if name == STATE_FILE else rank
+    manifest = directory / manifest_file(owner)
+    if not manifest.is_file():
+        raise CorruptCheckpoint(f"{manifest.name} is missing (the checkpoint was not completely written)")
+    try:
+        expected = json.loads(manifest.read_text())[name]
+    except (ValueError, KeyError):
+        raise CorruptCheckpoint(f"{manifest.name} does not list {name}") from None
+    path = directory / name
+    if not path.is_file() or _sha256(path) != expected:
+        raise CorruptCheckpoint(f"{name} is missing or does not match {manifest.name} (truncated or corrupt)")
+    return path
+
+
+def read_checkpoint(directory: Path, rank: int) -> dict[str, Any]:
+    """The shared train state with this rank's own part under `"rank"` (None if this rank wrote none)."""
+    state = torch.load(_verified(directory, rank, STATE_FILE), map_location="cpu", weights_only=True)
+    own = directory / rank_file(rank)
+    state["rank"] = (torch.load(_verified(directory, rank, rank_file(rank)), map_location="cpu", weights_only=True)
+                     if own.exists() or (directory / manifest_file(rank)).exists() else None)
+    return state
+
+
+def candidates(checkpoint: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """`checkpoint` and the older checkpoints beside it in the run's storage, newest first."""
+    from pyarrow import fs
+
+    parent, name = checkpoint.path.rstrip("/").rsplit("/", 1)
+    infos = checkpoint.filesystem.get_file_info(fs.FileSelector(parent))
+    older = sorted((i.base_name for i in infos if i.type == fs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_") and i.base_name < name), reverse=True)
+    return [checkpoint] + [ray.train.Checkpoint(path=f"{parent}/{n}", filesystem=checkpoint.filesystem) for n in older]
+
+
+def load_newest_valid(checkpoint: Optional[ray.train.Checkpoint], rank: int,
+                      agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[Optional[dict[str, Any]], list[str]]:
+    """The newest checkpoint every rank can load, and a warning for each one skipped.
+
+    `agree(ok)` returns whether every rank found its candidate valid (an all-reduce in training),
+    so all ranks settle on the same checkpoint even when only one rank's file is damaged.
+    """
     if checkpoint is None:
-        return None
+        return None, []
+    warnings = []
+    for candidate in candidates(checkpoint):
+        try:
+            with candidate.as_directory() as directory:
+                state, problem = read_checkpoint(Path(directory), rank), None
+        except (CorruptCheckpoint, RuntimeError, OSError, EOFError) as exc:
+            state, problem = None, str(exc)
+        if agree(problem is None):
+            return state, warnings
+        warnings.append(f"checkpoint {candidate.path} is not usable"
+                        + (f" on rank {rank}: {problem}" if problem else " on another rank")
+                        + "; falling back to the one before it.")
+    raise CorruptCheckpoint(f"no usable checkpoint in {checkpoint.path.rsplit('/', 1)[0]}: "
+                            + " ".join(warnings) + " Start the job afresh (without --resume) or restore the files.")
+
+
+def load_model_weights(checkpoint: ray.train.Checkpoint) -> dict[str, torch.Tensor]:
+    """The fp32 model weights of a (verified) checkpoint, e.g. the run's final one."""
     with checkpoint.as_directory() as directory:
-        return torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
+        return read_checkpoint(Path(directory), rank=0)["model"]

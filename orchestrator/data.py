@@ -5,6 +5,7 @@ scikit-learn's real 8x8 digits served as 3x32x32 so CIFAR models run unchanged;
 `synthetic` is random tensors, for throughput only.
 """
 
+import itertools
 from pathlib import Path
 from typing import Iterator
 
@@ -125,14 +126,38 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, after the batches a checkpoint already saw.
+
+    The order of an epoch depends only on (seed, epoch), so skipping the first `start` indices
+    of it gives exactly the batches the interrupted run would have trained on next.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_position(self, epoch: int, batches_done: int, batch_size: int) -> None:
+        self.set_epoch(epoch)
+        self.start = min(batches_done * batch_size, self.num_samples)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
 def build_loaders(
     train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
     loader_workers: int, pin_memory: bool,
-) -> tuple[DataLoader, DataLoader, DistributedSampler]:
-    """Per-rank loaders; call `train_sampler.set_epoch(e)` each epoch for a fresh shuffle."""
-    train_sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+) -> tuple[DataLoader, DataLoader, ResumableSampler]:
+    """Per-rank loaders; call `train_sampler.set_position(epoch, batches_done, batch_size)` each epoch."""
+    train_sampler = ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    # Own generators: creating an iterator must not draw from the global RNG, or a resumed run
+    # would see a different global RNG state than the uninterrupted one.
     common = dict(batch_size=batch_size, num_workers=loader_workers, pin_memory=pin_memory,
-                  persistent_workers=loader_workers > 0)
+                  persistent_workers=loader_workers > 0, generator=torch.Generator().manual_seed(seed + rank))
     train_loader = DataLoader(train, sampler=train_sampler, drop_last=False, **common)
     test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), **common)
     return train_loader, test_loader, train_sampler

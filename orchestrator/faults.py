@@ -3,11 +3,17 @@
 - `overflow_at_steps`: after backward, an inf is written into one layer's gradient (on every rank,
   or on `overflow_rank` only), exactly what an fp16 overflow looks like to the GradScaler.
 - `nan_loss_at_step`: the loss of that step is NaN on every rank: a forward pass that is not finite.
+- `kill_rank` + `at_step`: that rank's process dies with `os._exit` at the start of the step, as
+  a preempted node or an OOM kill would: no exception, no cleanup. With `once` (the default) a
+  marker file in the run's storage keeps the restarted worker group from dying again.
 """
 
-from typing import Optional, Sequence
+import os
+
+from typing import Any, Optional, Sequence
 
 import torch
+from pyarrow.fs import FileType
 from torch import nn
 
 from orchestrator.errors import BadInput
@@ -27,9 +33,23 @@ def check(faults_cfg, model: nn.Module) -> None:
 
 
 class Faults:
-    def __init__(self, faults_cfg, rank: int):
-        self.cfg, self.rank = faults_cfg, rank
+    def __init__(self, faults_cfg, rank: int, marker_dir: Optional[tuple[Any, str]] = None):
+        """`marker_dir`: (pyarrow filesystem, directory) where `once` leaves its marker."""
+        self.cfg, self.rank, self.marker_dir = faults_cfg, rank, marker_dir
         self.overflow_steps = set(faults_cfg.overflow_at_steps)
+
+    def kill(self, step: int) -> None:
+        """Die here if this rank is to be killed at this step (and, with `once`, has not been yet)."""
+        if self.cfg.kill_rank != self.rank or self.cfg.at_step != step:
+            return
+        if self.cfg.once and self.marker_dir is not None:
+            filesystem, directory = self.marker_dir
+            marker = f"{directory}/.ampflow_fault_kill_rank{self.rank}_step{step}"
+            if filesystem.get_file_info(marker).type != FileType.NotFound:
+                return
+            with filesystem.open_output_stream(marker) as out:
+                out.write(b"killed once by faults.kill_rank\n")
+        os._exit(1)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if step == self.cfg.nan_loss_at_step:

@@ -1,8 +1,4 @@
-"""One live progress line on the driver's console, fed from the Ray Train controller.
-
-The controller (where callbacks run) is another process, so the latest metrics
-travel through a tiny actor the driver polls.
-"""
+"""One live progress line on the driver's console, from the newest report the relay holds."""
 
 import sys
 import threading
@@ -10,20 +6,6 @@ import time
 from typing import Any, Optional, TextIO
 
 import ray
-
-
-@ray.remote(num_cpus=0)
-class ProgressBoard:
-    """Holds the newest rank-0 metrics the controller saw."""
-
-    def __init__(self) -> None:
-        self.latest: dict[str, Any] = {}
-
-    def update(self, metrics: dict[str, Any]) -> None:
-        self.latest = {**self.latest, **metrics}
-
-    def get(self) -> dict[str, Any]:
-        return self.latest
 
 
 def format_line(metrics: dict[str, Any]) -> str:
@@ -41,10 +23,10 @@ def format_line(metrics: dict[str, Any]) -> str:
 
 
 class ConsoleProgress:
-    """Polls the board in a thread; rewrites one line on a TTY, prints each new epoch otherwise."""
+    """Polls the relay in a thread; rewrites one line on a TTY, prints a line every few seconds otherwise."""
 
-    def __init__(self, board, stream: TextIO = sys.stderr, interval_s: float = 0.5):
-        self.board, self.stream, self.interval_s = board, stream, interval_s
+    def __init__(self, relay, stream: TextIO = sys.stderr, interval_s: float = 0.5):
+        self.relay, self.stream, self.interval_s = relay, stream, interval_s
         self.tty = stream.isatty()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ampflow-progress", daemon=True)
@@ -70,7 +52,7 @@ class ConsoleProgress:
 
     def _show(self, final: bool = False) -> None:
         try:
-            metrics = ray.get(self.board.get.remote(), timeout=5)
+            metrics = ray.get(self.relay.latest.remote(), timeout=5)
         except Exception:  # the console line is a convenience; it never fails the job
             return
         line = format_line(metrics) if metrics else None

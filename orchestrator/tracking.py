@@ -1,9 +1,9 @@
-"""One MLflow run per job.
+"""One MLflow run per job, handled by the driver only.
 
-The driver creates the run (params, tags, resolved YAML), the Ray Train controller
-logs what rank 0 reports through `MlflowMetricsCallback`, and the driver closes
-the run FINISHED or FAILED. Workers never talk to MLflow, so a restarted worker
-group cannot create a second run.
+The driver creates (or, with --resume, reopens) the run with params, tags and the resolved
+YAML, `orchestrator.mlflow_writer` logs what the workers report, and the driver closes the run
+FINISHED, FAILED or KILLED. Workers never talk to MLflow, so a restarted worker group cannot
+create a second run. Everything logged is redacted (`orchestrator.secrets`).
 """
 
 import logging
@@ -15,14 +15,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
-from ray.train import UserCallback
+
+from orchestrator.errors import BadInput
+from orchestrator.secrets import redact, redact_all
 
 logger = logging.getLogger("ampflow.tracking")
 
-# Keys of a report that are bookkeeping for the progress line (and run tags), not metrics.
-CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags"}
-# Every rank's skipped-step records, merged into one artifact.
-OVERFLOW_LOG = "amp/overflow_log"
+
+class TrackingUnavailable(BadInput):
+    """MLflow cannot be reached at the start of a job that requires it (exit 2, nothing started)."""
+
+
+def quick_http_failures() -> None:
+    """MLflow's HTTP client retries for minutes by default; our writer retries on its own schedule."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 
 
 def resolve_uri(configured: Optional[str], base_dir: Path) -> str:
@@ -69,17 +76,23 @@ class RunTracker:
         from mlflow.entities import Param, RunTag
 
         client = MlflowClient(tracking_uri=uri)
-        experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+        try:
+            experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+        except Exception as exc:
+            raise TrackingUnavailable(
+                f"tracking: MLflow at {redact(uri)} cannot be reached ({type(exc).__name__}: {redact(str(exc))[:300]}). "
+                "Start the tracking server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.required: false "
+                "to train anyway and log once it is back.") from None
         experiment_id = (
             experiment.experiment_id if experiment is not None else client.create_experiment(cfg.tracking.experiment)
         )
-        run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+        run = client.create_run(experiment_id, run_name=run_name, tags=redact_all(tags))
         tracker = cls(uri, experiment_id, run.info.run_id)
         try:
-            items = [Param(key, value) for key, value in params.items()]
+            items = [Param(key, value) for key, value in redact_all(params).items()]
             for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
                 client.log_batch(tracker.run_id, params=items[i : i + 100])
-            client.log_text(tracker.run_id, config_yaml, "config/job.yaml")
+            client.log_text(tracker.run_id, redact(config_yaml), "config/job.yaml")
         except BaseException:
             tracker.finish("FAILED")
             raise
@@ -99,6 +112,19 @@ class RunTracker:
             raise BadInput(f"run {run_id} not found at {uri} ({exc.message}). Pass --tracking-uri "
                            "or set MLFLOW_TRACKING_URI to the store the run is in.") from None
         return cls(uri, run.info.experiment_id, run_id)
+
+    def reopen(self) -> None:
+        """Mark a run that a dead driver left RUNNING, FAILED or KILLED as running again (--resume)."""
+        self.client.update_run(self.run_id, status="RUNNING")
+
+    def load_json(self, artifact_path: str) -> Any:
+        """A JSON artifact of the run, or None when it has none at that path."""
+        import json
+
+        folder = artifact_path.rpartition("/")[0] or None
+        if not any(a.path == artifact_path for a in self.client.list_artifacts(self.run_id, folder)):
+            return None
+        return json.loads(self.load_text(artifact_path))
 
     def load_text(self, artifact_path: str) -> str:
         import mlflow
@@ -127,7 +153,7 @@ class RunTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), timestamp, step) for k, v in metrics.items()])
 
     def set_tag(self, key: str, value: str) -> None:
-        self.client.set_tag(self.run_id, key, value)
+        self.client.set_tag(self.run_id, key, redact(value))
 
     def log_model(self, model, input_example, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
         """Log the fp32 model as the run's MLflow model `model`; returns the format used.
@@ -176,55 +202,3 @@ class RunTracker:
 
     def status(self) -> str:
         return self.client.get_run(self.run_id).info.status
-
-
-class MlflowMetricsCallback(UserCallback):
-    """Runs on the Ray Train controller: logs the workers' reports to MLflow and feeds the progress board.
-
-    Metrics come from rank 0, already reduced over all ranks by the worker loop. The overflow log
-    is per rank: every rank's records are merged into `amp/overflow_log.json`. A report's `tags`
-    become run tags; other lists and dicts (e.g. `precision/audit`) become JSON artifacts.
-    A failure to log is reported once and never stops training.
-    """
-
-    def __init__(self, uri: str, run_id: str, board: Any = None):
-        self.uri, self.run_id, self.board = uri, run_id, board
-        self._client = None
-        self._warned = False
-        self._overflow_log: list[dict[str, Any]] = []
-        self._last_step: dict[str, int] = {}
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        report = metrics[0]
-        if self.board is not None:
-            self.board.update.remote({k: v for k, v in report.items() if not isinstance(v, (list, dict))})
-        try:
-            self._log(report, [m.get(OVERFLOW_LOG, []) for m in metrics])
-        except Exception as exc:  # tracking is never worth a failed training run
-            if not self._warned:
-                logger.warning("ampflow: could not log metrics to MLflow (%s); training goes on.", exc)
-                self._warned = True
-
-    def _log(self, report: dict[str, Any], overflow_records: list[list[dict[str, Any]]]) -> None:
-        from mlflow import MlflowClient
-        from mlflow.entities import Metric
-
-        if self._client is None:
-            self._client = MlflowClient(tracking_uri=self.uri)
-        step = int(report["step"])
-        timestamp = int(time.time() * 1000)
-        # Each metric once per step: an epoch-end report repeats the step of the report before it.
-        batch = [Metric(key, float(value), timestamp, step) for key, value in report.items()
-                 if key not in CONTROL_KEYS and isinstance(value, (int, float)) and step > self._last_step.get(key, -1)]
-        self._client.log_batch(self.run_id, metrics=batch)
-        self._last_step.update({metric.key: step for metric in batch})
-        for key, value in report.get("tags", {}).items():
-            self._client.set_tag(self.run_id, key, str(value))
-        for key, value in report.items():
-            if key not in CONTROL_KEYS and key != OVERFLOW_LOG and isinstance(value, (list, dict)):
-                self._client.log_dict(self.run_id, value, f"{key}.json")
-        new_records = [record for records in overflow_records for record in records]
-        if new_records:
-            self._overflow_log = sorted(self._overflow_log + new_records,
-                                        key=lambda r: (r["step"], r.get("rank", -1)))
-            self._client.log_dict(self.run_id, self._overflow_log, f"{OVERFLOW_LOG}.json")

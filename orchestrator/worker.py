@@ -6,12 +6,10 @@ guarded GradScaler (`orchestrator.training`); train under autocast; report metri
 The controller-side tracking callback turns reports into MLflow.
 """
 
-import random
 import time
 from contextlib import nullcontext
 from typing import Any
 
-import numpy as np
 import ray.train
 import ray.train.torch
 import torch
@@ -20,22 +18,17 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from orchestrator import checkpoint as ckpt
-from orchestrator import precision
+from orchestrator import precision, rng
 from orchestrator.data import build_datasets, build_loaders
 from orchestrator.faults import Faults
 from orchestrator.memory import peak_bytes, peak_reserved_bytes
 from orchestrator.precision import AmpSettings, LossScaleCollapsed, StepOutcome, autocast_context
+from orchestrator.rng import seed_everything
 from orchestrator.training import Training, build_training, detached_copy
 
 
 class PolicyNotHonoured(RuntimeError):
     """A layer did not store or compute in the dtype its precision rule promised."""
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -68,6 +61,14 @@ class Window:
     def add(self, loss: torch.Tensor, batch_size: int) -> None:
         self.loss_sum += loss.detach().double() * batch_size
         self.samples += batch_size
+
+    def state(self) -> dict[str, float]:
+        """This rank's unreported loss sum and sample count (for a checkpoint)."""
+        return {"loss_sum": self.loss_sum.item(), "samples": self.samples}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        self.loss_sum.fill_(state["loss_sum"])
+        self.samples = int(state["samples"])
 
     def read(self) -> dict[str, float]:
         """Global mean loss and samples/s over all ranks (one all-reduce), then reset."""
@@ -147,6 +148,34 @@ def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, 
     return metrics
 
 
+def recover_from_collapse(training: Training, outcome: StepOutcome, step: int, on_collapse: str,
+                          last_good: dict[str, Any] | None, rebuild) -> tuple[Training, dict[str, str]]:
+    """Act on a collapsed loss scale (the same on every rank: the flags were agreed).
+
+    Returns the training to go on with and the run tags to set; raises for `abort`.
+    """
+    layers = training.guard.overflowing_layers()
+    message = f"loss scale collapsed at step {step}: {outcome.collapse}; overflowing layers: " \
+              f"{', '.join(layers) or 'none identified'}"
+    if on_collapse == "abort" or (on_collapse == "promote" and not layers):
+        raise LossScaleCollapsed(f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or set "
+                                 "precision.scaler.on_collapse: promote | rollback.")
+    tags = {}
+    if on_collapse == "promote":
+        state = training.capture()
+        state.pop("scaler")  # a fresh scale: the layers that overflowed are fp32 now
+        state["promoted"] = list(dict.fromkeys(training.promoted + layers))
+        tags["precision.promoted"] = ",".join(state["promoted"])
+    else:  # rollback: the last good weights, optimizer and scale; time (step, schedule) goes on
+        now = training.capture()
+        state = {**last_good, **{key: now[key] for key in ("scheduler", "counters", "promoted")}}
+    rebuilt = rebuild(state)
+    if training.guard.rank == 0:
+        rebuilt.guard.overflow_log.append({"step": step, "event": "collapse", "action": on_collapse,
+                                           "reason": outcome.collapse, "layers": layers})
+    return rebuilt, tags
+
+
 def train_loop(config: dict[str, Any]) -> None:
     cfg = OmegaConf.create(config["job"])
     context = ray.train.get_context()
@@ -154,8 +183,9 @@ def train_loop(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     seed_everything(cfg.run.seed + rank)
     amp = AmpSettings.from_config(cfg.precision)
-    faults = Faults(cfg.faults, rank)
-    on_collapse = cfg.precision.scaler.on_collapse
+    storage = context.get_storage()  # DeveloperAPI in Ray 2.60: where the kill fault leaves its marker
+    faults = Faults(cfg.faults, rank, (storage.storage_filesystem, storage.experiment_fs_path))
+    on_collapse, every_n_steps = cfg.precision.scaler.on_collapse, cfg.checkpoint.every_n_steps
 
     # Data: every rank sees its own shard of the training set and of the eval set.
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
@@ -168,15 +198,30 @@ def train_loop(config: dict[str, Any]) -> None:
         steps_per_epoch = min(steps_per_epoch, cfg.run.max_steps_per_epoch)
     total_steps = steps_per_epoch * cfg.run.epochs
 
-    # Model under its precision policy (DDP-wrapped), optimizer, schedule and guarded scaler,
-    # from the last checkpoint after a restart.
-    state = ckpt.load_state(ray.train.get_checkpoint())
+    # Model under its precision policy (DDP-wrapped), optimizer, schedule and guarded scaler; after a
+    # restart from the newest checkpoint every rank can read (a damaged one is skipped with a warning).
+    agree = lambda ok: all_reduce([float(ok)], device, op=dist.ReduceOp.MIN)[0] == 1.0  # noqa: E731
+    state, warnings = ckpt.load_newest_valid(ray.train.get_checkpoint(), rank, agree)
     build = dict(rank=rank, world_size=world_size, total_steps=total_steps)
     training = build_training(cfg, device, state=state, **build)
-    start_epoch, global_step = (state["epoch"] + 1, state["global_step"]) if state is not None else (0, 0)
+    window = Window(device)
+    start_epoch, batches_done, global_step = 0, 0, 0
+    if state is not None:  # exactly where the checkpoint left off: position, RNG, the unreported loss window
+        start_epoch, batches_done, global_step = state["epoch"], state["batches_done"], state["global_step"]
+        if batches_done >= steps_per_epoch:
+            start_epoch, batches_done = start_epoch + 1, 0
+        if state["rank"] is not None:
+            rng.restore(state["rank"]["rng"])
+            window.load_state(state["rank"]["window"])
+        if state["precision"] != OmegaConf.to_container(cfg.precision):
+            warnings.append("the job's precision section differs from the one the checkpoint was trained with.")
     # What `on_collapse: rollback` returns to: the last checkpoint (or the start), kept on the CPU.
     last_good = detached_copy(training.capture()) if on_collapse == "rollback" else None
-    pending: dict[str, Any] = {}  # non-metric results (audit, memory table, tags) that ride on the next report
+    pending: dict[str, Any] = {}
+    if state is not None:
+        # The checkpoint's own report again (logged once: the driver drops steps it already has), in case
+        # the driver that died had not logged it yet; and what was skipped on the way back.
+        ray.train.report({**state["report"], "warnings": warnings} if rank == 0 else {})
 
     def common_metrics(epoch: int) -> dict[str, Any]:
         return {"epoch": epoch + 1, "epochs": cfg.run.epochs, "step": global_step, "total_steps": total_steps,
@@ -187,13 +232,30 @@ def train_loop(config: dict[str, Any]) -> None:
         training.guard.check_loss_window(metrics["train/loss"], global_step)
         return metrics
 
-    window = Window(device)
+    def report(metrics: dict[str, Any], checkpoint_at: tuple[int, int] | None = None) -> None:
+        """Report; with `checkpoint_at=(epoch, batches_done)` every rank also saves its part of a checkpoint."""
+        nonlocal last_good
+        if checkpoint_at is None:
+            ray.train.report(metrics)
+            return
+        shared = {**training.capture(), "epoch": checkpoint_at[0], "batches_done": checkpoint_at[1],
+                  "global_step": global_step, "precision": OmegaConf.to_container(cfg.precision),
+                  "run_id": config.get("run_id"),
+                  "report": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}}
+        if last_good is not None:
+            last_good = detached_copy(shared)
+        own = {"rng": rng.capture(), "window": window.state()}
+        with ckpt.staged_checkpoint(rank, shared if rank == 0 else None, own, global_step) as checkpoint:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"checkpoint_{global_step:09d}")
+
     for epoch in range(start_epoch, cfg.run.epochs):
-        train_sampler.set_epoch(epoch)
-        for step_in_epoch, (inputs, targets) in enumerate(train_loader):
+        first = batches_done if epoch == start_epoch else 0
+        train_sampler.set_position(epoch, first, cfg.run.batch_size)
+        for step_in_epoch, (inputs, targets) in enumerate(train_loader, start=first):
             if step_in_epoch >= steps_per_epoch:
                 break
             global_step += 1
+            faults.kill(global_step)
             loss, outcome = train_step(training, inputs, targets, amp, device, global_step, faults)
             close_audit(training, pending)
             table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
@@ -203,31 +265,19 @@ def train_loop(config: dict[str, Any]) -> None:
                 training.scheduler.step()
             if not outcome.nan_loss:
                 window.add(loss, targets.numel())
+            if outcome.collapse is not None:
+                training, tags = recover_from_collapse(training, outcome, global_step, on_collapse, last_good,
+                                                       lambda new: build_training(cfg, device, state=new, **build))
+                pending.setdefault("tags", {}).update(tags)
 
-            if outcome.collapse is not None:  # the same decision on every rank: the flags were agreed
-                layers = training.guard.overflowing_layers()
-                message = (f"loss scale collapsed at step {global_step}: {outcome.collapse}; overflowing layers: "
-                           f"{', '.join(layers) or 'none identified'}")
-                if on_collapse == "abort" or (on_collapse == "promote" and not layers):
-                    raise LossScaleCollapsed(
-                        f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or set "
-                        "precision.scaler.on_collapse: promote | rollback.")
-                if on_collapse == "promote":
-                    state = training.capture()
-                    state.pop("scaler")  # a fresh scale: the layers that overflowed are fp32 now
-                    state["promoted"] = list(dict.fromkeys(training.promoted + layers))
-                    pending["tags"] = {"precision.promoted": ",".join(state["promoted"])}
-                else:  # rollback: the last good weights, optimizer and scale; time (step, schedule) goes on
-                    now = training.capture()
-                    state = {**last_good, **{key: now[key] for key in ("scheduler", "counters", "promoted")}}
-                training = build_training(cfg, device, state=state, **build)
-                if rank == 0:
-                    training.guard.overflow_log.append({"step": global_step, "event": "collapse", "action": on_collapse,
-                                                        "reason": outcome.collapse, "layers": layers})
-
-            if global_step % cfg.tracking.log_every_n_steps == 0:
-                ray.train.report({**common_metrics(epoch), **read_window(), **pending})
+            log_due = global_step % cfg.tracking.log_every_n_steps == 0
+            # Mid-epoch checkpoints only: the epoch's last step is checkpointed after its evaluation.
+            checkpoint_due = every_n_steps is not None and global_step % every_n_steps == 0 \
+                and step_in_epoch + 1 < steps_per_epoch
+            if log_due or checkpoint_due:
+                metrics = {**common_metrics(epoch), **(read_window() if log_due else {}), **pending}
                 pending.clear()
+                report(metrics, (epoch, step_in_epoch + 1) if checkpoint_due else None)
 
         # End of epoch: the rest of the window, evaluation, memory, and a checkpoint when due.
         last_epoch = epoch + 1 == cfg.run.epochs
@@ -240,11 +290,5 @@ def train_loop(config: dict[str, Any]) -> None:
             close_audit(training, metrics)  # a policy changed on the epoch's last step shows in eval's forward
         metrics.update(memory_peaks(rank, world_size, device))
         metrics.update({"memory/params_bytes": float(training.prepared.params_bytes), **training.ledger.metrics()})
-
         checkpoint_due = last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
-        if checkpoint_due:
-            state = {**training.capture(), "epoch": epoch, "global_step": global_step}
-            if last_good is not None:
-                last_good = detached_copy(state)
-        with ckpt.staged_checkpoint(state) if checkpoint_due and rank == 0 else nullcontext() as checkpoint:
-            ray.train.report(metrics, checkpoint=checkpoint)
+        report(metrics, (epoch, steps_per_epoch) if checkpoint_due else None)

@@ -132,6 +132,12 @@ class FaultsSection:
     """Only this rank's gradient gets the inf (the ranks then disagree); null: every rank."""
     nan_loss_at_step: Optional[int] = None
     """The step whose loss is made NaN on every rank (a forward pass that is not finite)."""
+    kill_rank: Optional[int] = None
+    """This rank's process dies (`os._exit`, no cleanup) at the start of step `at_step`."""
+    at_step: Optional[int] = None
+    """The step at whose start `kill_rank` dies."""
+    once: bool = True
+    """Kill only on the first attempt, not again after Ray restarts the worker group (a marker in storage)."""
 
 
 @dataclass
@@ -170,12 +176,18 @@ class TrackingSection:
     """Report training metrics (and update the progress line) every N optimizer steps."""
     log_model: bool = True
     """Log the final fp32 model with mlflow.pytorch.log_model."""
+    required: bool = True
+    """MLflow must be reachable at the start (else exit 2); false: train anyway and log once it is back."""
+    flush_timeout_s: float = 120.0
+    """At the end, how long to keep retrying metrics MLflow has not taken yet before giving up on them."""
 
 
 @dataclass
 class CheckpointSection:
     every_n_epochs: int = 1
     """Save a checkpoint every N epochs (and always after the last)."""
+    every_n_steps: Optional[int] = None
+    """Also save one every N optimizer steps, mid-epoch included (null: only at epoch ends)."""
     num_to_keep: int = 2
     """Newest checkpoints kept in storage."""
     storage_path: Optional[str] = None

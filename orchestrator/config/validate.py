@@ -63,6 +63,14 @@ def validate(cfg: DictConfig, source: str) -> None:
       f"must be a rank in 0..{cfg.scaling.num_workers - 1}, or null for every rank.")
     r(faults.nan_loss_at_step is None or faults.nan_loss_at_step >= 1, "faults.nan_loss_at_step",
       "steps are global optimizer steps counted from 1.")
+    r(faults.kill_rank is None or 0 <= faults.kill_rank < cfg.scaling.num_workers, "faults.kill_rank",
+      f"must be a rank in 0..{cfg.scaling.num_workers - 1}, or null.")
+    r((faults.kill_rank is None) == (faults.at_step is None), "faults.at_step",
+      "faults.kill_rank and faults.at_step go together: set both (or neither).")
+    r(faults.at_step is None or faults.at_step >= 1, "faults.at_step", "steps are global optimizer steps counted from 1.")
+    every = cfg.checkpoint.every_n_steps
+    r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
+    r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")
     export_dtype = cfg.export.dtype
     r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")

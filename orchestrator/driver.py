@@ -1,0 +1,271 @@
+"""What `submit` does with a valid job: one MLflow run, Ray, the trainer, and a clean end.
+
+`plan_run()` settles everything that can still be refused with exit 2 (which run, resume or not,
+MLflow reachable) and only then creates or reopens the MLflow run; `execute()` starts (or joins)
+Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
+"""
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from omegaconf import DictConfig
+
+from orchestrator import models
+from orchestrator.config import flatten, to_yaml
+from orchestrator.errors import BadInput
+from orchestrator.secrets import redact
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+@dataclass
+class RunPlan:
+    cfg: DictConfig
+    job_path: Path
+    address: Optional[str]
+    uri: str
+    run_name: str
+    resume: bool
+    tracker: object
+    """The MLflow run (RunTracker), or None while MLflow is unreachable and `tracking.required` is false."""
+
+
+def default_run_name(job_path: Path) -> str:
+    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str):
+    from orchestrator.tracking import RunTracker, git_commit
+
+    tags = {"preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
+            "world_size": str(cfg.scaling.num_workers), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
+            "job_file": str(job_path), "ray_run_name": run_name}
+    commit = git_commit(Path.cwd())
+    if commit:
+        tags["git_commit"] = commit
+        tags["mlflow.source.git.commit"] = commit
+    return RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
+
+
+def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bool) -> RunPlan:
+    """Which run, and its MLflow run; BadInput (exit 2) before anything is created when it cannot be."""
+    from orchestrator import resume as records
+    from orchestrator.tracking import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
+
+    quick_http_failures()
+    uri = resolve_uri(cfg.tracking.uri, Path.cwd())
+    storage = cfg.checkpoint.storage_path
+    if resume:
+        record = records.find_resumable(storage, job_path)
+        run_name = record["run_name"]
+    else:
+        run_name = cfg.run.name or default_run_name(job_path)
+        if records.run_exists(storage, run_name):
+            raise BadInput(f"run.name: a run named '{run_name}' already exists in {storage}. Continue it with "
+                           "--resume, or choose another run.name.")
+    try:
+        if resume and record.get("run_id"):
+            tracker = RunTracker.open(uri, record["run_id"])
+            tracker.reopen()
+        else:
+            tracker = _start_run(cfg, job_path, uri, run_name)
+    except TrackingUnavailable:
+        if cfg.tracking.required:
+            raise
+        print(f"warning: MLflow at {redact(uri)} cannot be reached; training anyway (tracking.required: false). "
+              "The run is created and filled in once it answers.", file=sys.stderr)
+        tracker = None
+    return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker)
+
+
+def _init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bool, Optional[dict]]:
+    """Start (or connect to) Ray with worker logs kept off the console.
+
+    Returns (whether we started it, the runtime env the workers need). A model module from the
+    submit directory is shipped to every node as a job-level `py_modules` entry; Ray only uploads
+    local code at the job level, so when the caller already initialised Ray (a notebook, the
+    tests) we can only point same-machine workers at the directory through PYTHONPATH.
+    """
+    import ray
+
+    if ray.is_initialized():
+        if module_source is None:
+            return False, None
+        return False, {"env_vars": {"PYTHONPATH": str(module_source.parent)}}
+    runtime_env = {"py_modules": [str(module_source)]} if module_source else None
+    # Worker and controller logs stay in Ray's session directory; the console gets one progress line.
+    ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="WARNING")
+    return True, None
+
+
+def execute(plan: RunPlan) -> int:
+    """Train the planned run; the MLflow run always ends FINISHED, FAILED or KILLED."""
+    import ray
+    from ray.train import TrainingFailedError
+
+    from orchestrator import resume as records
+    from orchestrator.launch import build_trainer, check_cluster_capacity
+    from orchestrator.mlflow_writer import MlflowWriter
+    from orchestrator.progress import ConsoleProgress
+    from orchestrator.relay import RelayCallback, ReportRelay
+
+    cfg, storage = plan.cfg, plan.cfg.checkpoint.storage_path
+    if plan.tracker is not None:
+        verb = "Resuming" if plan.resume else "MLflow run"
+        print(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' at "
+              f"{redact(plan.uri)}", file=sys.stderr)
+    module_source = models.module_source(cfg.model.name)
+    started_ray, worker_runtime_env = _init_ray(plan.address, module_source)
+    try:
+        if plan.address:
+            shortfall = check_cluster_capacity(cfg)
+            if shortfall:
+                print(f"warning: {shortfall}", file=sys.stderr)
+        run_id = plan.tracker.run_id if plan.tracker is not None else None
+        records.write_record(storage, plan.run_name, job_file=str(plan.job_path.resolve()), run_id=run_id,
+                             tracking_uri=redact(plan.uri), status="RUNNING")
+        relay = ReportRelay.remote()
+        writer = MlflowWriter(relay, plan.tracker,
+                              start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name))
+        if plan.resume and plan.tracker is not None:
+            writer.resume_from_run()
+        writer.start()
+        trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
+                                worker_runtime_env=worker_runtime_env, run_id=run_id)
+        failure = None
+        try:
+            with ConsoleProgress(relay):
+                result = trainer.fit()
+        except TrainingFailedError as exc:
+            failure = exc
+        except BaseException as exc:  # Ctrl-C or a driver-side error: close the run, then let it propagate
+            writer.close(timeout_s=10)
+            _finish(writer.tracker, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", timeout_s=10)
+            records.write_record(storage, plan.run_name, status="KILLED")
+            raise
+        writer.close(cfg.tracking.flush_timeout_s)
+        tracker = writer.tracker
+        if tracker is not None and tracker.run_id != run_id:
+            records.write_record(storage, plan.run_name, run_id=tracker.run_id)
+        if failure is not None:
+            return _failed(plan, tracker, failure)
+        return _finished(plan, tracker, result, module_source)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _last_frame(traceback_text: str) -> Optional[str]:
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', traceback_text)
+    return f"  at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else None
+
+
+def summarize_failure(exc: BaseException) -> str:
+    """The worker's exception first: type, message, and where it was raised."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    if isinstance(exc, WorkerGroupError) and exc.worker_failures:
+        rank, cause = sorted(exc.worker_failures.items())[0]
+        # The traceback object does not survive serialisation; Ray Train puts each rank's traceback
+        # text in the error message under "[Rank N Error Snippet]:".
+        parts = re.split(r"\[Rank ([\d,]+) Error Snippet\]:", str(exc))[1:]  # ranks, text, ranks, text...
+        snippets = {r: text for ranks, text in zip(parts[::2], parts[1::2]) for r in ranks.split(",")}
+        lines = [f"worker rank {rank} raised {type(cause).__name__}: {cause}".rstrip()]
+        where = _last_frame(snippets.get(str(rank), ""))
+        if where:
+            lines.append(where)
+        if len(exc.worker_failures) > 1:
+            lines.append(f"  ({len(exc.worker_failures)} workers failed: ranks {sorted(exc.worker_failures)})")
+        return "\n".join(lines)
+    if isinstance(exc, ControllerError):
+        return f"the Ray Train controller failed: {exc.controller_failure}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _finish(tracker, status: str, timeout_s: float) -> None:
+    """Set the run's terminal status, retrying while MLflow is flaky; never leaves it RUNNING if MLflow answers."""
+    from orchestrator.mlflow_writer import retry
+
+    if tracker is None:
+        return
+    try:
+        retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
+    except Exception as exc:
+        print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
+              f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)
+
+
+def _failed(plan: RunPlan, tracker, failure) -> int:
+    from orchestrator import resume as records
+
+    if tracker is not None:
+        tracker.log_plots(plan.cfg.precision.preset)
+    _finish(tracker, "FAILED", plan.cfg.tracking.flush_timeout_s)
+    records.write_record(plan.cfg.checkpoint.storage_path, plan.run_name, status="FAILED")
+    print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
+    where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
+    print(f"{where}Full worker logs: Ray's session directory (/tmp/ray/session_latest/logs on the head node). "
+          f"Continue from the last checkpoint with: python -m orchestrator.submit {plan.job_path} --resume",
+          file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> int:
+    from orchestrator import resume as records
+    from orchestrator.tracking import view_hint
+
+    cfg = plan.cfg
+    records.write_record(cfg.checkpoint.storage_path, plan.run_name, status="FINISHED")
+    if tracker is None:
+        print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
+              f"Checkpoints: {result.path}", file=sys.stderr)
+        return EXIT_OK
+    if cfg.tracking.log_model and result.checkpoint is not None:
+        try:
+            model = _trained_model(cfg, result.checkpoint)
+            example = np.zeros((2, 3, 32, 32), dtype=np.float32)  # 3x32x32 everywhere; batch 2 keeps export batch-dynamic
+            model_format = tracker.log_model(model, example, code_paths=[str(module_source)] if module_source else None)
+            tracker.set_tag("model_format", model_format)
+        except Exception as exc:  # the trained run stands even if the model cannot be logged
+            print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
+    tracker.log_plots(cfg.precision.preset)
+    exit_code = EXIT_OK
+    if cfg.export.dtype is not None and result.checkpoint is not None:
+        exit_code = _export_after_training(cfg, result.checkpoint, tracker)
+    _finish(tracker, "FINISHED", cfg.tracking.flush_timeout_s)
+
+    final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
+    print(f"\nRun finished: {tracker.run_id}")
+    for key in ("eval/accuracy", "eval/loss", "train/loss", "amp/loss_scale", "amp/skipped_steps",
+                "perf/samples_per_s"):
+        if key in final:
+            print(f"  {key:<20} {final[key]:.6g}")
+    print(f"Checkpoints: {result.path}")
+    print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
+    return exit_code
+
+
+def _trained_model(cfg: DictConfig, checkpoint):
+    from orchestrator.checkpoint import load_model_weights
+
+    model = models.build_model(cfg.model)
+    model.load_state_dict(load_model_weights(checkpoint))
+    return model
+
+
+def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
+    from orchestrator.export import ExportRefused, export
+
+    try:
+        result = export(_trained_model(cfg, checkpoint), cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
+    except ExportRefused as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"Exported as {result.dtype}: accuracy {result.accuracy:.4f} (fp32 {result.fp32_accuracy:.4f}, "
+          f"delta {result.accuracy_delta:+.4f}), MLflow model 'model_{result.dtype}'")
+    return EXIT_OK

@@ -1,0 +1,157 @@
+"""The driver's one writer to MLflow: every report logged once, in order, retried until MLflow takes it.
+
+A thread drains the report relay every half second and applies what it got to the run: metrics
+(each metric at most once per step: repeats after a restart, or an epoch-end report at the step
+of the report before it, are dropped), tags, JSON artifacts, and the merged overflow log. When
+MLflow is down the records wait in memory (training never waits) and are backfilled, with their
+original timestamps, once it answers again. With `tracking.required: false` the run itself may
+be created late the same way. Everything logged passes through `secrets.redact_all`.
+"""
+
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Optional
+
+import ray
+
+from orchestrator.relay import OVERFLOW_LOG
+from orchestrator.secrets import redact_all
+
+logger = logging.getLogger("ampflow.tracking")
+
+CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags", "warnings"}
+"""Keys of a report that are bookkeeping (progress line, tags, warnings), not metrics."""
+
+
+def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Call `action` until it succeeds or `timeout_s` has passed (then raise its last error)."""
+    deadline, delay = time.monotonic() + timeout_s, 0.5
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.warning("ampflow: %s failed (%s); retrying in %.0fs.", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
+
+
+class MlflowWriter:
+    def __init__(self, relay, tracker=None, start_run: Optional[Callable[[], Any]] = None, poll_s: float = 0.5):
+        """`tracker`: the run's RunTracker, or None with `start_run` creating it once MLflow answers."""
+        self.relay, self.tracker, self._start_run, self.poll_s = relay, tracker, start_run, poll_s
+        self.pending: deque[tuple[str, Any]] = deque()
+        self.last_step: dict[str, int] = {}
+        self.overflow_log: list[dict[str, Any]] = []
+        self.outage_since: Optional[float] = None
+        self._retry_at, self._backoff = 0.0, 1.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ampflow-mlflow-writer", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def resume_from_run(self) -> None:
+        """Continue a run: its metrics' last steps and its overflow log, so nothing is logged twice."""
+        client, run_id = self.tracker.client, self.tracker.run_id
+        for key in client.get_run(run_id).data.metrics:
+            self.last_step[key] = max(m.step for m in client.get_metric_history(run_id, key))
+        self.overflow_log = self.tracker.load_json(f"{OVERFLOW_LOG}.json") or []
+
+    def start(self) -> "MlflowWriter":
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float) -> int:
+        """Stop the thread, take the last reports, and flush for up to `timeout_s`; returns records left unsent."""
+        self._stop.set()
+        self._thread.join()
+        self._drain()
+        deadline = time.monotonic() + timeout_s
+        while not self._flush(force=True) and time.monotonic() < deadline:
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        if self.pending:
+            print(f"error: MLflow did not take {len(self.pending)} record(s) within tracking.flush_timeout_s="
+                  f"{timeout_s:g}s; they are lost. Check that the tracking server is up.", file=sys.stderr)
+        return len(self.pending)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._drain()
+            except Exception as exc:  # the relay is on this machine; a hiccup here must not kill the thread
+                logger.warning("ampflow: could not read reports from the relay (%s).", exc)
+            self._flush()
+
+    # -- reports -> records -----------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        for report, overflow in ray.get(self.relay.take.remote(), timeout=30):
+            self.enqueue(report, overflow)
+
+    def enqueue(self, report: dict[str, Any], overflow: list[dict[str, Any]]) -> None:
+        timestamp = int(time.time() * 1000)
+        metrics = {key: float(value) for key, value in report.items()
+                   if key not in CONTROL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        self.pending.append(("metrics", (int(report["step"]), timestamp, metrics)))
+        if report.get("tags"):
+            self.pending.append(("tags", report["tags"]))
+        for key, value in report.items():
+            if key not in CONTROL_KEYS and isinstance(value, (list, dict)):
+                self.pending.append(("json", (f"{key}.json", value)))
+        if overflow:
+            self.pending.append(("overflow", overflow))
+        for warning in report.get("warnings", []):
+            print(f"warning: {warning}", file=sys.stderr)
+            self.pending.append(("tags", {"warning.resume": warning}))
+
+    # -- records -> MLflow ------------------------------------------------------------------------
+
+    def _flush(self, force: bool = False) -> bool:
+        """Apply pending records in order; True when nothing is left. Backs off while MLflow is down."""
+        if not force and time.monotonic() < self._retry_at:
+            return False
+        try:
+            if self.tracker is None and self._start_run is not None:
+                self.tracker = self._start_run()
+                print(f"MLflow is reachable: created run {self.tracker.run_id}; backfilling.", file=sys.stderr)
+            while self.pending and self.tracker is not None:
+                self._apply(*self.pending[0])
+                self.pending.popleft()
+        except Exception as exc:
+            if self.outage_since is None:
+                self.outage_since = time.monotonic()
+                print(f"warning: MLflow is not answering ({type(exc).__name__}: {exc}); training goes on and "
+                      "metrics are kept to be logged when it is back.", file=sys.stderr)
+            self._retry_at, self._backoff = time.monotonic() + self._backoff, min(self._backoff * 2, 30.0)
+            return False
+        if self.outage_since is not None:
+            print(f"MLflow is back after {time.monotonic() - self.outage_since:.0f}s; the metrics held meanwhile "
+                  "are logged.", file=sys.stderr)
+            self.outage_since, self._backoff = None, 1.0
+        return not self.pending
+
+    def _apply(self, kind: str, payload: Any) -> None:
+        from mlflow.entities import Metric
+
+        client, run_id = self.tracker.client, self.tracker.run_id
+        if kind == "metrics":
+            step, timestamp, metrics = payload
+            batch = [Metric(key, value, timestamp, step) for key, value in metrics.items()
+                     if step > self.last_step.get(key, -1)]
+            if batch:
+                client.log_batch(run_id, metrics=batch)
+            self.last_step.update({metric.key: step for metric in batch})
+        elif kind == "tags":
+            for key, value in redact_all(payload).items():
+                client.set_tag(run_id, key, str(value)[:5000])
+        elif kind == "json":
+            path, value = payload
+            client.log_dict(run_id, redact_all(value), path)
+        elif kind == "overflow":
+            merged = sorted(self.overflow_log + payload, key=lambda r: (r["step"], r.get("rank", -1)))
+            client.log_dict(run_id, merged, f"{OVERFLOW_LOG}.json")
+            self.overflow_log = merged

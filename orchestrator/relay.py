@@ -1,0 +1,45 @@
+"""From the Ray Train controller to the driver: every report, in order, and the newest for the console.
+
+`RelayCallback` runs on the controller and only forwards (a non-blocking actor call), so a slow
+or unreachable MLflow can never hold up training; the driver drains the relay and does all MLflow
+I/O (`orchestrator.mlflow_writer`). Workers never talk to MLflow, and a restarted worker group
+reports into the same relay, hence the same run.
+"""
+
+from typing import Any
+
+import ray
+from ray.train import UserCallback
+
+OVERFLOW_LOG = "amp/overflow_log"
+"""Every rank's skipped-step records, merged into one artifact."""
+
+
+@ray.remote(num_cpus=0)
+class ReportRelay:
+    def __init__(self) -> None:
+        self.queue: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+        self.newest: dict[str, Any] = {}
+
+    def push(self, report: dict[str, Any], overflow_records: list[dict[str, Any]]) -> None:
+        self.queue.append((report, overflow_records))
+        self.newest = {**self.newest, **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
+
+    def take(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        queue, self.queue = self.queue, []
+        return queue
+
+    def latest(self) -> dict[str, Any]:
+        return self.newest
+
+
+class RelayCallback(UserCallback):
+    """Forwards rank 0's report (metrics already reduced over all ranks) and every rank's overflow records."""
+
+    def __init__(self, relay):
+        self.relay = relay
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        overflow = [record for rank_metrics in metrics for record in rank_metrics.get(OVERFLOW_LOG, [])]
+        report = {k: v for k, v in metrics[0].items() if k != OVERFLOW_LOG}
+        self.relay.push.remote(report, overflow)
