@@ -1,13 +1,18 @@
 """`python -m orchestrator.submit JOB [key=value ...]`: train a job on Ray, tracked in MLflow.
 
-Exit codes: 0 success; 2 bad input (nothing started, no MLflow run); 1 training
+Exit codes: 0 success; 2 bad input (nothing started or submitted, no MLflow run); 1 training
 failed (the worker's exception first, the MLflow run marked FAILED).
+
+With `--address http(s)://HEAD:8265` the job is validated here and run on that cluster
+(`orchestrator.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
 """
 
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -15,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 from omegaconf import DictConfig
 
-from orchestrator import data, models
+from orchestrator import data, models, remote
 from orchestrator.config import flatten, load_job, to_yaml
 from orchestrator.errors import BadInput
 
@@ -31,8 +36,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.epochs=2")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                        help="an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray on this machine)")
-    return parser.parse_args(argv)
+                        help="an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray on this machine); "
+                             "an http(s):// dashboard address submits the job there through the Job Submission API")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="with an http(s):// --address: print the submitted job's id and exit")
+    # Intermixed: overrides may come after options (`JOB --address URL run.epochs=2`), as users type them.
+    return parser.parse_intermixed_args(argv)
 
 
 def default_run_name(job_path: Path) -> str:
@@ -116,6 +125,7 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
     run_name = cfg.run.name or default_run_name(job_path)
     module_source = models.module_source(cfg.model.name)
     started_ray, worker_runtime_env = _init_ray(address, module_source)
+    previous_sigterm = _interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
     try:
         tags = {
             "preset": str(cfg.precision.preset or "custom"),
@@ -178,8 +188,22 @@ def run_job(cfg: DictConfig, job_path: Path, address: Optional[str] = None) -> i
         print(f"View it:  {view_hint(uri, tracker.experiment_id, tracker.run_id)}")
         return exit_code
     finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if started_ray:
             ray.shutdown()
+
+
+def _interrupt_on_sigterm():
+    """`jobs stop` and Kubernetes end a job with SIGTERM: raise KeyboardInterrupt instead, so the MLflow
+    run is closed KILLED rather than left RUNNING. Returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def check_precision(cfg: DictConfig, model) -> None:
@@ -201,14 +225,20 @@ def check_precision(cfg: DictConfig, model) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     job_path = Path(args.job)
+    to_cluster = remote.is_job_server_address(args.address)
     try:
+        if args.no_wait and not to_cluster:
+            raise BadInput("--no-wait needs a job server to submit to: --address http://HEAD:8265.")
         cfg = load_job(job_path, args.overrides)
         if args.dry_run:
             print(to_yaml(cfg), end="")
             return EXIT_OK
-        data.ensure_available(cfg.data)
+        if not to_cluster:  # a remote job reads its data on the cluster, which checks it there
+            data.ensure_available(cfg.data)
         # Built on the CPU here, so a broken model or a dangerous precision policy fails before Ray starts.
         check_precision(cfg, models.build_model(cfg.model))
+        if to_cluster:
+            return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
