@@ -14,6 +14,7 @@ finds in RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_toke
 import asyncio
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -89,13 +90,14 @@ def submit(job_path: Path, overrides: Sequence[str], address: str, *, wait: bool
     from ray.exceptions import AuthenticationError
 
     project_dir = (project_dir or Path.cwd()).resolve()
-    command = entrypoint(job_path_in_project(job_path, project_dir), overrides)
+    job_in_project = job_path_in_project(job_path, project_dir)
+    command = entrypoint(job_in_project, overrides)
     client = connect(address)
     try:
         job_id = client.submit_job(
             entrypoint=command,
             runtime_env={"working_dir": str(project_dir), "excludes": WORKING_DIR_EXCLUDES},
-            metadata={"ampflow_job_file": str(job_path)},
+            metadata={"ampflow_job_file": job_in_project},
         )
     except AuthenticationError as exc:
         raise BadInput(f"--address {address}: {first_line(exc)}\n{AUTH_HELP}") from None
@@ -124,12 +126,12 @@ def follow(client, job_id: str, address: str) -> int:
         print(f"\nStopped following {job_id}; it is still running. Stop it with: "
               f"python -m orchestrator.jobs stop {job_id} --address {address}", file=sys.stderr)
         return 130
-    info = client.get_job_info(job_id)
     if status == JobStatus.SUCCEEDED:
         print(f"Job {job_id} SUCCEEDED.", file=sys.stderr)
         return EXIT_OK
     # The message repeats the log's tail, which was just printed: its first line says why.
-    print(f"Job {job_id} {status.value}: {first_line(info.message or 'no message')}", file=sys.stderr)
+    message = client.get_job_info(job_id).message or "no message"
+    print(f"Job {job_id} {status.value}: {first_line(message)}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -140,8 +142,6 @@ async def _print_logs(client, job_id: str) -> None:
 
 def wait_until_done(client, job_id: str, poll_s: float = 1.0):
     """The log stream closes when the job ends, but its status can lag a moment behind."""
-    import time
-
     while not (status := client.get_job_status(job_id)).is_terminal():
         time.sleep(poll_s)
     return status

@@ -7,6 +7,7 @@ RAY_AUTH_TOKEN_PATH), and an MLFLOW_TRACKING_URI of its own that the job must no
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -19,8 +20,10 @@ from ray_head import RayHead
 
 pytestmark = pytest.mark.slow
 
-TINY = ["run.epochs=1", "run.max_steps_per_epoch=4", "precision.preset=O0", "optim.schedule=none",
-        "tracking.log_model=false"]
+# A few fp32 steps on one worker: the path to the cluster is under test, not training. (onecycle
+# is off because OneCycleLR divides by zero when a run has only 4 steps in all.)
+TINY = ["scaling.num_workers=1", "run.epochs=1", "run.max_steps_per_epoch=4", "precision.preset=O0",
+        "optim.schedule=none", "tracking.log_model=false"]
 LAPTOP_MLFLOW = "sqlite:////nonexistent/laptop-store-must-not-be-used.db"
 
 
@@ -48,6 +51,22 @@ def test_without_the_clusters_token_nothing_is_submitted_and_the_error_says_how_
         assert out.returncode == 2, out.stderr
         assert out.stderr.startswith("error: --address http://127.0.0.1:")
         assert "RAY_AUTH_MODE=token" in out.stderr and "RAY_AUTH_TOKEN_PATH" in out.stderr
+
+
+def test_the_entrypoint_survives_the_job_servers_shell_and_addresses_pick_the_path(monkeypatch, capsys):
+    from orchestrator.remote import entrypoint, is_job_server_address
+    from orchestrator.submit import main
+
+    overrides = ["run.name=my run; rm -rf /", "tracking.experiment=it's"]
+    command = entrypoint("jobs/quickstart.yaml", overrides)
+    assert shlex.split(command) == ["python", "-m", "orchestrator.submit", "jobs/quickstart.yaml", *overrides]
+    assert is_job_server_address("http://10.0.0.1:8265") and is_job_server_address("https://ray.example")
+    assert not is_job_server_address("ray://head:10001") and not is_job_server_address("10.0.0.1:6379")
+    assert not is_job_server_address(None)
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["jobs/quickstart.yaml", "--no-wait"]) == 2
+    assert "--no-wait needs a job server" in capsys.readouterr().err
 
 
 BAD_INPUT_DRIVER = textwrap.dedent(
