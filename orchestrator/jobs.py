@@ -55,12 +55,11 @@ def logs(client, job_id: str, address: str, follow: bool) -> int:
 
 
 def stop(client, job_id: str, address: str) -> int:
-    before = _job_info(client, job_id, address).status
-    if before.is_terminal() or not client.stop_job(job_id):
-        print(f"{job_id} had already ended: {before.value}")
-        return EXIT_OK
-    final = remote.wait_until_done(client, job_id)
-    print(f"{job_id} {final.value}")
+    """Ask the job to stop and wait until it has (its driver closes its MLflow run KILLED)."""
+    if not _job_info(client, job_id, address).status.is_terminal() and client.stop_job(job_id):
+        print(f"{job_id} {remote.wait_until_done(client, job_id).value}")
+    else:  # stop_job is False when the job ended between the two calls
+        print(f"{job_id} had already ended: {client.get_job_status(job_id).value}")
     return EXIT_OK
 
 
