@@ -61,11 +61,13 @@ def server(tmp_path):
             pytest.fail("mlflow server did not come up")
         yield url
     finally:
-        started = [process, *psutil.Process(process.pid).children(recursive=True)]
+        server_tree = psutil.Process(process.pid)  # the server and its uvicorn workers: ours only
+        server_tree = [server_tree, *server_tree.children(recursive=True)]
         process.terminate()
-        _, alive = psutil.wait_procs([psutil.Process(p.pid) for p in started if psutil.pid_exists(p.pid)], timeout=15)
+        _, alive = psutil.wait_procs(server_tree, timeout=3)
         for proc in alive:
             proc.kill()
+        process.wait(timeout=10)
 
 
 def test_the_mlflow_server_answers_the_service_name_and_localhost_only(server):
