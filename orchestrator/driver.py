@@ -6,7 +6,9 @@ Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
 """
 
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +123,7 @@ def execute(plan: RunPlan) -> int:
               f"{redact(plan.uri)}", file=sys.stderr)
     module_source = models.module_source(cfg.model.name)
     started_ray, worker_runtime_env = _init_ray(plan.address, module_source)
+    previous_sigterm = _interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
     try:
         if plan.address:
             shortfall = check_cluster_capacity(cfg)
@@ -156,8 +159,22 @@ def execute(plan: RunPlan) -> int:
             return _failed(plan, tracker, failure)
         return _finished(plan, tracker, result, module_source)
     finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if started_ray:
             ray.shutdown()
+
+
+def _interrupt_on_sigterm():
+    """`jobs stop` and Kubernetes end a job with SIGTERM: raise KeyboardInterrupt instead, so the MLflow
+    run is closed KILLED rather than left RUNNING. Returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _last_frame(traceback_text: str) -> Optional[str]:

@@ -1,8 +1,11 @@
 """`python -m orchestrator.submit JOB [key=value ...] [--resume]`: train a job on Ray, tracked in MLflow.
 
-Exit codes: 0 success; 2 bad input (nothing started, no MLflow run; also MLflow unreachable
-when `tracking.required`); 1 training failed (the worker's exception first, the MLflow run
-marked FAILED). The run itself is driven by `orchestrator.driver`.
+Exit codes: 0 success; 2 bad input (nothing started or submitted, no MLflow run; also MLflow
+unreachable when `tracking.required`); 1 training failed (the worker's exception first, the
+MLflow run marked FAILED). The run itself is driven by `orchestrator.driver`.
+
+With `--address http(s)://HEAD:8265` the job is validated here and run on that cluster
+(`orchestrator.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
 """
 
 import argparse
@@ -13,7 +16,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
-from orchestrator import data, faults, models
+from orchestrator import data, faults, models, remote
 from orchestrator.config import load_job, to_yaml
 from orchestrator.errors import BadInput
 from orchestrator.secrets import redact
@@ -30,10 +33,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.epochs=2")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                        help="an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray on this machine)")
+                        help="an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray on this machine); "
+                             "an http(s):// dashboard address submits the job there through the Job Submission API")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="with an http(s):// --address: print the submitted job's id and exit")
     parser.add_argument("--resume", action="store_true",
                         help="continue this job's newest interrupted run from its last checkpoint, in the same MLflow run")
-    return parser.parse_args(argv)
+    # Intermixed: overrides may come after options (`JOB --address URL run.epochs=2`), as users type them.
+    return parser.parse_intermixed_args(argv)
 
 
 def check_precision(cfg: DictConfig, model) -> None:
@@ -58,16 +65,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = parse_args(argv)
     job_path = Path(args.job)
+    to_cluster = remote.is_job_server_address(args.address)
     try:
+        if args.no_wait and not to_cluster:
+            raise BadInput("--no-wait needs a job server to submit to: --address http://HEAD:8265.")
         cfg = load_job(job_path, args.overrides)
         if args.dry_run:
             print(redact(to_yaml(cfg)), end="")
             return EXIT_OK
-        data.ensure_available(cfg.data)
+        if not to_cluster:  # a remote job reads its data on the cluster, which checks it there
+            data.ensure_available(cfg.data)
         # Built on the CPU here, so a broken model or a dangerous precision policy fails before Ray starts.
         model = models.build_model(cfg.model)
         check_precision(cfg, model)
         faults.check(cfg.faults, model)
+        if to_cluster:
+            return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
         if not args.address:
             check_local_capacity(cfg)
         plan = plan_run(cfg, job_path, args.address, args.resume)

@@ -1,0 +1,340 @@
+"""k8s/: every overlay renders to objects Kubernetes and KubeRay accept, wired the way the job needs.
+
+Offline: core kinds validate against the `kubernetes-validate` schemas in strict mode; RayCluster
+and RayJob against KubeRay v1.7.0's CRD schemas (vendored in k8s/schemas/), made strict the way
+the API server's strict field validation treats unknown fields.
+"""
+
+import copy
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from conftest import REPO
+from k8s_render import render
+
+OVERLAYS = {"gpu": "gpu", "cpu-smoke": "cpu"}  # overlay -> image variant
+K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())  # oldest we support, newest known
+KUBERAY_SCHEMAS = REPO / "k8s" / "schemas" / "kuberay-v1.7.0"
+SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
+
+
+@pytest.fixture(scope="module", params=list(OVERLAYS))
+def overlay(request):
+    objects = render(REPO / "k8s" / "overlays" / request.param)
+    return request.param, objects
+
+
+def one(objects, kind, name=None):
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def ray_cluster_specs(objects):
+    """(where, RayClusterSpec) for the RayCluster and the RayJob's own cluster."""
+    return [(f"RayCluster/{o['metadata']['name']}", o["spec"]) for o in objects if o["kind"] == "RayCluster"] + \
+           [(f"RayJob/{o['metadata']['name']}", o["spec"]["rayClusterSpec"]) for o in objects if o["kind"] == "RayJob"]
+
+
+def ray_pod_specs(objects):
+    """(where, PodSpec) of every Ray pod: heads and each worker group."""
+    pods = []
+    for where, spec in ray_cluster_specs(objects):
+        pods.append((f"{where} head", spec["headGroupSpec"]["template"]["spec"]))
+        pods += [(f"{where} {g['groupName']}", g["template"]["spec"]) for g in spec["workerGroupSpecs"]]
+    return pods
+
+
+def all_pod_specs(objects):
+    """Every pod that will run: Ray pods, the RayJob submitter, Deployments and StatefulSets."""
+    pods = ray_pod_specs(objects)
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            pods.append((f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"]))
+        if o["kind"] == "RayJob":
+            pods.append((f"RayJob/{o['metadata']['name']} submitter", o["spec"]["submitterPodTemplate"]["spec"]))
+    return pods
+
+
+def all_containers(objects):
+    """(where, container, pod spec or None); the autoscaler sidecar KubeRay adds counts too."""
+    found = [(f"{where} {c['name']}", c, pod) for where, pod in all_pod_specs(objects)
+             for c in pod.get("initContainers", []) + pod["containers"]]
+    for where, spec in ray_cluster_specs(objects):
+        if spec.get("enableInTreeAutoscaling"):
+            found.append((f"{where} autoscaler", spec["autoscalerOptions"], spec["headGroupSpec"]["template"]["spec"]))
+    return found
+
+
+# --- rendering and schemas -------------------------------------------------------------------
+
+@pytest.mark.skipif(not (shutil.which("kustomize") or shutil.which("kubectl")), reason="no kustomize binary")
+@pytest.mark.parametrize("name", list(OVERLAYS))
+def test_our_renderer_gives_what_kustomize_gives(name):
+    tool = ["kustomize", "build"] if shutil.which("kustomize") else ["kubectl", "kustomize"]
+    out = subprocess.run([*tool, str(REPO / "k8s" / "overlays" / name)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    theirs = {key(o): o for o in yaml.safe_load_all(out.stdout) if o}
+    ours = {key(o): o for o in render(REPO / "k8s" / "overlays" / name)}
+    assert ours == theirs
+
+
+def test_core_objects_validate_strictly_against_kubernetes_schemas(overlay):
+    name, objects = overlay
+    core = [o for o in objects if not o["apiVersion"].startswith("ray.io/")]
+    assert {o["kind"] for o in core} >= {"Deployment", "StatefulSet", "Service", "PersistentVolumeClaim"}
+    for version in K8S_VERSIONS:
+        for obj in core:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: "
+                            f"{'.'.join(map(str, exc.caught.absolute_path))}: {exc.caught.message}")
+
+
+def strict(schema):
+    """An openAPIV3Schema with unknown fields refused, as `kubectl apply` (strict field validation) does."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def kuberay_validators():
+    validators = {}
+    for path in KUBERAY_SCHEMAS.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        validators[crd["spec"]["names"]["kind"]] = jsonschema.Draft7Validator(strict(v1["schema"]["openAPIV3Schema"]))
+    assert set(validators) == {"RayCluster", "RayJob"}
+    return validators
+
+
+def test_ray_objects_validate_strictly_against_kuberay_crds(overlay, kuberay_validators):
+    name, objects = overlay
+    ray = [o for o in objects if o["apiVersion"].startswith("ray.io/")]
+    assert sorted(o["kind"] for o in ray) == ["RayCluster", "RayJob"]
+    for obj in ray:
+        assert obj["apiVersion"] == "ray.io/v1"
+        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in kuberay_validators[obj["kind"]].iter_errors(obj)]
+        assert not errors, f"{name}: {obj['kind']}/{obj['metadata']['name']}: {errors[:5]}"
+
+
+def test_the_validators_catch_a_misspelled_field(kuberay_validators):
+    objects = render(REPO / "k8s" / "overlays" / "gpu")
+    job = copy.deepcopy(one(objects, "RayJob"))
+    job["spec"]["shutdownAfterJobFinish"] = True  # missing "es"
+    assert not kuberay_validators["RayJob"].is_valid(job)
+    deployment = copy.deepcopy(one(objects, "Deployment", "mlflow"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # missing "s"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+# --- consistency with the project ------------------------------------------------------------
+
+def entrypoint(objects):
+    argv = shlex.split(one(objects, "RayJob")["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "orchestrator.submit"], argv
+    return argv[3], argv[4:]
+
+
+def test_the_rayjob_runs_a_job_file_of_this_project_with_valid_overrides(overlay):
+    from orchestrator.config import load_job
+
+    name, objects = overlay
+    job_file, overrides = entrypoint(objects)
+    assert job_file == {"gpu": "jobs/cifar.yaml", "cpu-smoke": "jobs/quickstart.yaml"}[name]
+    assert (REPO / job_file).is_file()
+    load_job(REPO / job_file, overrides, base_dir=REPO)  # unknown keys or bad values raise BadInput
+
+
+def test_the_job_fits_the_rayjobs_cluster(overlay):
+    from orchestrator.config import load_job
+
+    name, objects = overlay
+    job_file, overrides = entrypoint(objects)
+    cfg = load_job(REPO / job_file, overrides, base_dir=REPO)
+    (workers,) = one(objects, "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] >= cfg.scaling.num_workers
+    limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+    wanted = dict(cfg.scaling.resources_per_worker) or {"CPU": 1, "GPU": 1 if cfg.scaling.use_gpu else 0}
+    assert float(limits["cpu"]) >= wanted.get("CPU", 1)
+    assert int(limits.get("nvidia.com/gpu", 0)) >= wanted.get("GPU", 0)
+    assert ("nvidia.com/gpu" in yaml.safe_dump(objects)) == (name == "gpu")
+
+
+def shared_mount(pod):
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    (path,) = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if claims.get(m["name"]) == "ampflow-shared"]
+    return path
+
+
+def test_data_and_checkpoints_go_to_the_volume_every_ray_pod_shares(overlay):
+    _, objects = overlay
+    mounts = {shared_mount(pod) for _, pod in ray_pod_specs(objects)}
+    assert len(mounts) == 1, f"ampflow-shared must be mounted at one path in every Ray pod, got {mounts}"
+    (mount,) = mounts
+    settings = dict(o.split("=", 1) for o in entrypoint(objects)[1])
+    assert settings["data.root"].startswith(mount + "/")
+    assert settings["checkpoint.storage_path"].startswith(mount + "/")
+
+
+def pins():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    ray = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "ray")
+    return ray.specifier, SpecifierSet(project["requires-python"])
+
+
+def ray_base_images():
+    """Every rayproject/ray tag the Dockerfile and the deploy guide name, as (version, python, variant)."""
+    import re
+
+    text = (REPO / "k8s" / "Dockerfile").read_text() + (REPO / "docs" / "deploy.md").read_text()
+    found = re.findall(r"rayproject/ray:(\d+\.\d+\.\d+)-py(\d)(\d+)(-gpu)?\b", text)
+    return {(version, f"{major}.{minor}", "gpu" if gpu else "cpu") for version, major, minor, gpu in found}
+
+
+def test_ray_image_tags_match_the_pinned_ray_and_python(overlay):
+    name, objects = overlay
+    ray_spec, python_spec = pins()
+    bases = ray_base_images()
+    assert {variant for _, _, variant in bases} == {"gpu", "cpu"}
+    (version,) = {v for v, _, _ in bases}
+    (python,) = {p for _, p, _ in bases}
+    assert version in ray_spec, f"rayproject/ray:{version} does not satisfy pyproject's ray{ray_spec}"
+    assert python in python_spec and python == "3.11"
+    assert "ARG RAY_IMAGE=rayproject/ray:" + version + "-py311-gpu" in (REPO / "k8s" / "Dockerfile").read_text()
+
+    expected = f"ray{version}-py{python.replace('.', '')}-{OVERLAYS[name]}"
+    for where, container, _ in all_containers(objects):
+        image = container.get("image")
+        if image and not image.startswith("postgres:"):  # the autoscaler without `image` runs the head's
+            assert image.rsplit(":", 1)[1] == expected, f"{name}: {where} runs {image}, expected tag {expected}"
+    for where, spec in ray_cluster_specs(objects):
+        assert spec["rayVersion"] == version, where
+
+
+def test_the_rayjob_ships_the_images_project_directory():
+    dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
+    (workdir,) = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("WORKDIR ")]
+    for directory in ("orchestrator", "configs", "jobs"):
+        assert f"COPY --chown=1000:100 {directory} ./{directory}" in dockerfile
+    for name in OVERLAYS:
+        job = one(render(REPO / "k8s" / "overlays" / name), "RayJob")
+        assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"working_dir": workdir}
+
+
+def env_of(container):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_every_ray_pod_reports_to_the_mlflow_service(overlay):
+    _, objects = overlay
+    service = one(objects, "Service", "mlflow")
+    (port,) = service["spec"]["ports"]
+    deployment = one(objects, "Deployment", "mlflow")
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert port["targetPort"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    uri = f"http://{service['metadata']['name']}:{port['port']}"
+    for where, pod_spec in ray_pod_specs(objects):
+        for container in pod_spec["containers"]:
+            assert env_of(container).get("MLFLOW_TRACKING_URI") == uri, f"{where} {container['name']}"
+
+
+def test_every_container_has_requests_and_limits_and_runs_unprivileged_as_non_root(overlay):
+    name, objects = overlay
+    for where, container, pod in all_containers(objects):
+        resources = container.get("resources", {})
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(resources.get(kind, {})), f"{name}: {where} lacks {kind}"
+        pod_context, context = pod.get("securityContext", {}), container.get("securityContext", {})
+        assert context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is True, f"{name}: {where}"
+        assert context.get("runAsUser", pod_context.get("runAsUser", 1)) != 0, f"{name}: {where}"
+        assert context.get("allowPrivilegeEscalation") is False, f"{name}: {where}"
+        assert not context.get("privileged") and context.get("capabilities", {}).get("drop") == ["ALL"], where
+    for where, pod in all_pod_specs(objects):
+        assert not pod.get("hostNetwork") and not pod.get("hostPID"), where
+
+
+def test_ray_token_auth_is_on_with_the_token_from_the_secret(overlay):
+    _, objects = overlay
+    from_secret = {"secretKeyRef": {"name": "ray-auth-token", "key": "auth_token"}}
+    for where, spec in ray_cluster_specs(objects):
+        assert spec["authOptions"] == {"mode": "token", "secretName": "ray-auth-token"}, where
+    ray_containers = [(where, c) for where, c, _ in all_containers(objects)
+                      if where.startswith(("RayCluster/", "RayJob/"))]  # pods, submitter, autoscaler
+    assert len(ray_containers) == 6
+    for where, container in ray_containers:
+        env = env_of(container)
+        assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN") == from_secret, where
+
+
+def test_secrets_are_referenced_never_committed(overlay):
+    _, objects = overlay
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    for path in (REPO / "k8s").rglob("*.yaml"):
+        if "schemas" not in path.parts:
+            assert "kind: Secret" not in path.read_text(), path
+    referenced = {}
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "secretKeyRef" in node:
+                referenced.setdefault(node["secretKeyRef"]["name"], set()).add(node["secretKeyRef"]["key"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(objects)
+    assert referenced == SECRETS
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    for secret, keys in SECRETS.items():
+        assert f"kubectl create secret generic {secret}" in guide and f"--from-literal={next(iter(keys))}=" in guide
+
+
+def test_nothing_is_exposed_outside_the_cluster(overlay):
+    _, objects = overlay
+    assert not [o for o in objects if o["kind"] in ("Ingress", "Route", "Gateway", "HTTPRoute")]
+    for service in (o for o in objects if o["kind"] == "Service"):
+        assert service["spec"].get("type", "ClusterIP") == "ClusterIP", service["metadata"]["name"]
+    for where, spec in ray_cluster_specs(objects):
+        assert spec["headGroupSpec"]["serviceType"] == "ClusterIP" and not spec["headGroupSpec"].get("enableIngress")
+    for where, container, _ in all_containers(objects):
+        assert not any("hostPort" in p for p in container.get("ports", [])), where
+
+
+def test_the_rayjob_cluster_runs_the_same_pods_as_the_raycluster(overlay):
+    _, objects = overlay
+    cluster, job_cluster = one(objects, "RayCluster")["spec"], one(objects, "RayJob")["spec"]["rayClusterSpec"]
+    for key in ("rayVersion", "authOptions", "headGroupSpec"):
+        assert job_cluster[key] == cluster[key], key
+    assert [g["template"] for g in job_cluster["workerGroupSpecs"]] == [g["template"] for g in cluster["workerGroupSpecs"]]
+
+
+def test_the_rayjob_lifecycle_is_chosen(overlay):
+    _, objects = overlay
+    spec = one(objects, "RayJob")["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True  # free the GPUs; KubeRay requires it for a TTL
+    assert 0 < spec["ttlSecondsAfterFinished"] <= 3600
+    assert spec["activeDeadlineSeconds"] > 0
+    assert spec["backoffLimit"] == 0  # a retry restarts training and its MLflow run from scratch
