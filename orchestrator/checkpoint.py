@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +40,12 @@ def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         key: (value.detach().float() if value.is_floating_point() else value.detach()).cpu()
         for key, value in model.state_dict().items()
     }
+
+
+def dir_name(step: int, attempt: int) -> str:
+    """`checkpoint_<step>_<attempt>`: sorts by step, then attempt. A resumed attempt that reaches a step
+    again writes a new directory instead of reusing one Ray Train may still hold (or delete)."""
+    return f"checkpoint_{step:09d}_{attempt}"
 
 
 def rank_file(rank: int) -> str:
@@ -145,7 +152,7 @@ def load_newest_valid(checkpoint: Optional[ray.train.Checkpoint], rank: int,
         try:
             with candidate.as_directory() as directory:
                 state, problem = read_checkpoint(Path(directory), rank), None
-        except (CorruptCheckpoint, RuntimeError, OSError, EOFError) as exc:
+        except (CorruptCheckpoint, RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
             state, problem = None, str(exc)
         if agree(problem is None):
             return state, warnings

@@ -56,7 +56,7 @@ def check_local_capacity(cfg: DictConfig) -> None:
     have = {"CPU": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
             "GPU": float(torch.cuda.device_count())}
     workers = cfg.scaling.num_workers
-    for resource, per_worker in worker_resources(cfg).items():
+    for resource, per_worker in sorted(worker_resources(cfg).items(), key=lambda item: item[0] != "GPU"):
         need = per_worker * workers
         if need > have.get(resource, 0.0):
             raise BadInput(

@@ -25,9 +25,10 @@ def format_line(metrics: dict[str, Any]) -> str:
 class ConsoleProgress:
     """Polls the relay in a thread; rewrites one line on a TTY, prints a line every few seconds otherwise."""
 
-    def __init__(self, relay, stream: TextIO = sys.stderr, interval_s: float = 0.5):
-        self.relay, self.stream, self.interval_s = relay, stream, interval_s
-        self.tty = stream.isatty()
+    def __init__(self, relay, stream: Optional[TextIO] = None, interval_s: float = 0.5):
+        # sys.stderr looked up now, not at import: it may have been replaced since (tests, notebooks).
+        self.relay, self.stream, self.interval_s = relay, stream or sys.stderr, interval_s
+        self.tty = self.stream.isatty()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ampflow-progress", daemon=True)
         self._last_line: Optional[str] = None

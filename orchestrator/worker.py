@@ -203,6 +203,7 @@ def train_loop(config: dict[str, Any]) -> None:
     agree = lambda ok: all_reduce([float(ok)], device, op=dist.ReduceOp.MIN)[0] == 1.0  # noqa: E731
     state, warnings = ckpt.load_newest_valid(ray.train.get_checkpoint(), rank, agree)
     build = dict(rank=rank, world_size=world_size, total_steps=total_steps)
+    attempt = int(all_reduce([time.time() * 1000 if rank == 0 else 0.0], device)[0])  # rank 0's clock, for all
     training = build_training(cfg, device, state=state, **build)
     window = Window(device)
     start_epoch, batches_done, global_step = 0, 0, 0
@@ -221,7 +222,8 @@ def train_loop(config: dict[str, Any]) -> None:
     if state is not None:
         # The checkpoint's own report again (logged once: the driver drops steps it already has), in case
         # the driver that died had not logged it yet; and what was skipped on the way back.
-        ray.train.report({**state["report"], "warnings": warnings} if rank == 0 else {})
+        ray.train.report({**state["report"], "warnings": warnings, "tags": {"resumed_from_step": str(global_step)}}
+                         if rank == 0 else {})
 
     def common_metrics(epoch: int) -> dict[str, Any]:
         return {"epoch": epoch + 1, "epochs": cfg.run.epochs, "step": global_step, "total_steps": total_steps,
@@ -246,7 +248,7 @@ def train_loop(config: dict[str, Any]) -> None:
             last_good = detached_copy(shared)
         own = {"rng": rng.capture(), "window": window.state()}
         with ckpt.staged_checkpoint(rank, shared if rank == 0 else None, own, global_step) as checkpoint:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"checkpoint_{global_step:09d}")
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(global_step, attempt))
 
     for epoch in range(start_epoch, cfg.run.epochs):
         first = batches_done if epoch == start_epoch else 0

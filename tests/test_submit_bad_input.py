@@ -25,6 +25,26 @@ CASES = {
     "import_path_unresolved": (small_job(model={"name": "nowhere_pkg.nets:Net"}), [], "nowhere_pkg"),
     "bad_override": (small_job(), ["scaling.workers=2"], "scaling.num_workers"),
     "cifar_unavailable": (small_job(data={"name": "cifar10", "download": False}), [], "cifar-10-batches-py"),
+    # Hostile input (issue 5): each refused before anything starts.
+    "duplicate_key": ("model: {name: simple_cnn}\ndata: {name: digits}\nmodel: {name: resnet18}\n", [],
+                      "duplicate key 'model'"),
+    "alias_bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                   "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n", [],
+                   "anchors and aliases"),
+    "python_object_tag": ("model: !!python/object/apply:os.system ['echo pwned']\n", [], "not valid YAML"),
+    "zero_workers": (small_job(scaling={"num_workers": 0}), [], "scaling.num_workers: must be >= 1"),
+    "negative_workers": (small_job(), ["scaling.num_workers=-2"], "scaling.num_workers: must be >= 1"),
+    "batch_size_zero": (small_job(run={"batch_size": 0}), [], "run.batch_size: must be >= 1"),
+    "lr_nan": (small_job(), ["optim.lr=nan"], "optim.lr: must be a finite number"),
+    "lr_inf": (small_job(), ["optim.lr=inf"], "optim.lr: must be a finite number"),
+    "lr_negative": (small_job(optim={"lr": -0.01}), [], "optim.lr: must be a finite number >= 0"),
+    "unknown_preset": (small_job(precision={"preset": "O4"}), [], "unknown preset 'O4'"),
+    "rule_bad_dtype": (small_job(precision={"rules": [{"match": "Linear", "dtype": "float8"}]}), [],
+                       "precision.rules[0].dtype: unknown dtype 'float8'"),
+    "more_gpus_than_exist": (small_job(scaling={"use_gpu": True, "num_workers": 2}), [],
+                             "asks for 2 GPU (2 workers x 1), but this machine has 0"),
+    "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), [], "8192 CPU (2 workers x 4096)"),
+    "mlflow_unreachable": (small_job(tracking={"uri": "http://127.0.0.1:9"}), [], "cannot be reached"),
 }
 
 DRIVER = textwrap.dedent(

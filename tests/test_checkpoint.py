@@ -1,0 +1,114 @@
+"""Checkpoints are verified before they are trusted, fall back past damage, and survive a full disk."""
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import ray.train
+import torch
+
+from orchestrator import rng
+from orchestrator.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
+                                     manifest_file, rank_file, read_checkpoint, staged_checkpoint,
+                                     write_checkpoint_files)
+
+
+def shared_state(step: int) -> dict:
+    return {"model": {"w": torch.full((3,), float(step))}, "global_step": step, "report": {"step": step}}
+
+
+def save(run_dir: Path, step: int, ranks=(0, 1)) -> Path:
+    directory = run_dir / f"checkpoint_{step:09d}"
+    directory.mkdir(parents=True)
+    for rank in ranks:
+        own = {"rng": rng.capture(), "window": {"loss_sum": 1.5 * rank, "samples": 32}}
+        write_checkpoint_files(directory, rank, shared_state(step) if rank == 0 else None, own)
+    return directory
+
+
+def newest(run_dir: Path) -> ray.train.Checkpoint:
+    return ray.train.Checkpoint(path=str(sorted(run_dir.iterdir())[-1]))
+
+
+def test_each_rank_reads_the_shared_state_and_its_own_part(tmp_path):
+    directory = save(tmp_path, 8)
+    state = read_checkpoint(directory, rank=1)
+    assert state["global_step"] == 8 and torch.equal(state["model"]["w"], torch.full((3,), 8.0))
+    assert state["rank"]["window"] == {"loss_sum": 1.5, "samples": 32}
+    assert read_checkpoint(directory, rank=2)["rank"] is None  # a rank that was not there (world grew)
+
+
+@pytest.mark.parametrize("damage", ["truncate_state", "truncate_rank_file", "drop_manifest", "drop_state"])
+def test_damaged_checkpoints_are_refused(tmp_path, damage):
+    directory = save(tmp_path, 8)
+    if damage == "truncate_state":
+        with open(directory / STATE_FILE, "r+b") as handle:
+            handle.truncate(100)
+    elif damage == "truncate_rank_file":
+        with open(directory / rank_file(1), "r+b") as handle:
+            handle.truncate(10)
+    elif damage == "drop_manifest":
+        os.remove(directory / manifest_file(0))
+    else:
+        os.remove(directory / STATE_FILE)
+    with pytest.raises(CorruptCheckpoint):
+        read_checkpoint(directory, rank=1)
+
+
+def test_fallback_to_the_previous_valid_checkpoint_names_the_bad_one(tmp_path):
+    save(tmp_path, 4)
+    save(tmp_path, 8)
+    bad = save(tmp_path, 12)
+    with open(bad / STATE_FILE, "r+b") as handle:
+        handle.truncate(64)
+    state, warnings = load_newest_valid(newest(tmp_path), rank=0)
+    assert state["global_step"] == 8
+    (warning,) = warnings
+    assert "checkpoint_000000012" in warning and "falling back" in warning
+
+
+def test_ranks_agree_on_one_checkpoint_when_only_another_ranks_file_is_damaged(tmp_path):
+    save(tmp_path, 4)
+    save(tmp_path, 8)
+    # Rank 0's files are fine in both; the "other rank" refuses the newest: rank 0 must fall back too.
+    votes = iter([False, True])
+    state, warnings = load_newest_valid(newest(tmp_path), rank=0, agree=lambda ok: ok and next(votes))
+    assert state["global_step"] == 4 and "on another rank" in warnings[0]
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    bad = save(tmp_path, 4)
+    shutil.rmtree(bad)
+    bad.mkdir()
+    with pytest.raises(CorruptCheckpoint, match="no usable checkpoint"):
+        load_newest_valid(newest(tmp_path), rank=0)
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_never_unpickled(tmp_path):
+    directory = save(tmp_path, 4)
+    evil = {**shared_state(4), "payload": Path("/etc/passwd")}  # any class, not plain tensors/numbers
+    write_checkpoint_files(directory, 0, evil, {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}})
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        read_checkpoint(directory, rank=0)
+    with pytest.raises(CorruptCheckpoint, match="checkpoint_000000004 is not usable on rank 0.*Weights only"):
+        load_newest_valid(newest(tmp_path), rank=0)  # refused like any damaged one, never loaded
+
+
+def test_a_full_disk_leaves_nothing_behind_and_the_previous_checkpoint_loads(tmp_path, monkeypatch):
+    previous = save(tmp_path, 4)
+    staged = []
+
+    def full_disk(obj, path):
+        staged.append(Path(path).parent)
+        Path(path).write_bytes(b"half")  # some bytes landed before the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointWriteError, match="step 8 on rank 0.*disk is full.*previous checkpoint is intact"):
+        with staged_checkpoint(0, shared_state(8), {"rng": rng.capture()}, step=8, save=full_disk):
+            pytest.fail("a failed write must not be reported")
+    assert staged and not staged[0].exists()  # the staging directory is gone
+    assert read_checkpoint(previous, rank=0)["global_step"] == 4
+    state, warnings = load_newest_valid(newest(tmp_path), rank=0)
+    assert state["global_step"] == 4 and warnings == []

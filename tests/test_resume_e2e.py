@@ -1,0 +1,137 @@
+"""Killing a worker or the driver costs at most the work since the last checkpoint, and nothing else.
+
+2 Ray workers, a real MLflow store. Exactness is proven as Composer and torchtitan prove it: the
+resumed run's final state is compared with an uninterrupted run's, bit for bit (atol=0).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import REPO, small_job
+from test_submit_e2e import only_run
+
+pytestmark = pytest.mark.slow
+
+# fp16 autocast with a dynamic GradScaler that grows every 3 steps, Adam: every piece of state moves.
+EXACT_JOB = small_job(
+    precision={"preset": "O1", "init_scale": 1024, "growth_interval": 3},
+    optim={"name": "adam", "lr": 0.002},
+    run={"epochs": 2, "max_steps_per_epoch": 6},
+    tracking={"log_every_n_steps": 5},
+    checkpoint={"every_n_steps": 4},
+)
+
+
+def final_state(storage: Path) -> dict:
+    (final,) = storage.glob("*/checkpoint_000000012_*/train_state.pt")
+    return torch.load(final, weights_only=True)
+
+
+def assert_bit_identical(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where  # atol=0
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bit_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bit_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def each_step_once(client, run_id, key) -> list[int]:
+    steps = Counter(m.step for m in client.get_metric_history(run_id, key))
+    assert set(steps.values()) == {1}, f"{key} logged twice at some step: {steps}"
+    return sorted(steps)
+
+
+def test_killed_worker_resumes_at_its_checkpoint_bit_identical_and_logs_each_step_once(
+        ray_session, tmp_path, monkeypatch, write_job, mlflow_uri):
+    from orchestrator.submit import main
+
+    monkeypatch.chdir(tmp_path)
+    job = write_job(EXACT_JOB)
+    common = [f"tracking.uri={mlflow_uri}"]
+    assert main([str(job), *common, "tracking.experiment=straight", f"checkpoint.storage_path={tmp_path / 'a'}"]) == 0
+    # Rank 1 dies (os._exit) at the start of step 6; the newest checkpoint is step 4's, mid-epoch.
+    assert main([str(job), *common, "tracking.experiment=killed", f"checkpoint.storage_path={tmp_path / 'b'}",
+                 "faults.kill_rank=1", "faults.at_step=6", "failure.max_failures=1"]) == 0
+    assert list((tmp_path / "b").glob("*/.ampflow_fault_kill_rank1_step6")), "the worker was never killed"
+
+    straight, resumed = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    for part in ("model", "optimizer", "scaler", "counters", "scheduler"):
+        assert_bit_identical(straight[part], resumed[part], part)
+    assert resumed["scaler"]["scale"] > 1024.0 and resumed["scaler"]["_growth_tracker"] == \
+        straight["scaler"]["_growth_tracker"]
+
+    client, run = only_run(mlflow_uri, "killed")
+    _, reference = only_run(mlflow_uri, "straight")
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_from_step"] == "4"
+    for key in ("train/loss", "amp/loss_scale", "eval/accuracy"):
+        assert each_step_once(client, run.info.run_id, key) == each_step_once(client, reference.info.run_id, key)
+    assert run.data.metrics["train/loss"] == reference.data.metrics["train/loss"]
+
+
+def _kill_tree_of(process: subprocess.Popen, ray_temp_dir: str) -> None:
+    """SIGKILL the driver's process group, then any Ray process of its own temp dir (and nothing else)."""
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(ray_temp_dir in part for part in (proc.info["cmdline"] or [])):
+            proc.kill()
+
+
+def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_checkpoint(
+        ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
+    from orchestrator.submit import main
+
+    job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 4, "max_steps_per_epoch": 6},
+                              tracking={"uri": mlflow_uri, "experiment": "driver", "log_every_n_steps": 1},
+                              checkpoint={"every_n_steps": 2, "num_to_keep": 3}))
+    ray_temp = tempfile.mkdtemp(prefix="ampflow-rt-", dir="/tmp")  # short: Ray's socket paths are limited
+    driver = subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(job)], cwd=tmp_path,
+                              env={**os.environ, "RAY_TMPDIR": ray_temp}, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("ray_results/*/checkpoint_000000008_*/train_state.pt")):
+            assert driver.poll() is None, "the driver ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.2)
+        time.sleep(1.0)  # let the driver's MLflow writer take the reports so far
+    finally:
+        _kill_tree_of(driver, ray_temp)
+    client, run = only_run(mlflow_uri, "driver")
+    assert run.info.status == "RUNNING"  # what a dead driver leaves behind
+
+    checkpoints = sorted(tmp_path.glob("ray_results/*/checkpoint_0*"))
+    newest, previous = checkpoints[-1], checkpoints[-2]
+    with open(newest / "train_state.pt", "r+b") as state:  # the newest one is damaged too
+        state.truncate(200)
+
+    monkeypatch.chdir(tmp_path)
+    assert main([str(job), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"Resuming {run.info.run_id}" in err
+    assert newest.name in err and "falling back" in err
+
+    client, resumed = only_run(mlflow_uri, "driver")  # the same run, not a second one
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
+    assert resumed.data.tags["resumed_from_step"] == str(int(previous.name.split("_")[1]))
+    assert each_step_once(client, run.info.run_id, "amp/loss_scale") == list(range(1, 25))
+    assert each_step_once(client, run.info.run_id, "eval/accuracy") == [6, 12, 18, 24]
+    assert main([str(job), "--resume"]) == 2  # finished: nothing left to resume
+    assert "no interrupted run" in capsys.readouterr().err
