@@ -226,7 +226,7 @@ def _failed(plan: RunPlan, tracker, failure) -> int:
     records.write_record(plan.cfg.checkpoint.storage_path, plan.run_name, status="FAILED")
     print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
-    print(f"{where}Full worker logs: Ray's session directory (/tmp/ray/session_latest/logs on the head node). "
+    print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
           f"Continue from the last checkpoint with: python -m orchestrator.submit {plan.job_path} --resume",
           file=sys.stderr)
     return EXIT_FAILED

@@ -27,7 +27,10 @@ def build_scheduler(
     if optim_cfg.schedule == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     if optim_cfg.schedule == "onecycle":
+        warmup = optim_cfg.warmup_fraction
+        if total_steps >= 3:  # OneCycleLR divides by each phase's length in steps: keep both >= 1 step
+            warmup = min(max(warmup, 2 / total_steps), (total_steps - 1) / total_steps)
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=optim_cfg.lr, total_steps=total_steps, pct_start=optim_cfg.warmup_fraction,
+            optimizer, max_lr=optim_cfg.lr, total_steps=total_steps, pct_start=warmup,
         )
     return None

@@ -83,3 +83,20 @@ def test_import_path_model_from_the_current_directory(tmp_path, monkeypatch):
 def test_model_kwargs_that_do_not_fit_are_bad_input():
     with pytest.raises(BadInput, match="model.kwargs"):
         build_model(ModelSection(name="simple_cnn", kwargs={"depth": 3}))
+
+
+@pytest.mark.parametrize("total_steps", [1, 2, 3, 4, 5, 8, 1000])
+def test_onecycle_schedule_runs_for_any_number_of_steps(total_steps):
+    from orchestrator.config.schema import OptimSection
+    from orchestrator.optim import build_scheduler
+
+    param = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scheduler = build_scheduler(OptimSection(schedule="onecycle", lr=0.1), optimizer, total_steps)
+    rates = []
+    for _ in range(total_steps):
+        optimizer.step()
+        scheduler.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    if total_steps >= 4:  # warms up to the peak, then anneals below where it started
+        assert max(rates) == pytest.approx(0.1) and rates[-1] < rates[0]
