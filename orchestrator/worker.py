@@ -240,10 +240,12 @@ def train_loop(config: dict[str, Any]) -> None:
         if checkpoint_at is None:
             ray.train.report(metrics)
             return
-        shared = {**training.capture(), "epoch": checkpoint_at[0], "batches_done": checkpoint_at[1],
-                  "global_step": global_step, "precision": OmegaConf.to_container(cfg.precision),
-                  "run_id": config.get("run_id"),
-                  "report": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}}
+        shared = None
+        if rank == 0 or last_good is not None:  # the other ranks need it only as a rollback snapshot
+            shared = {**training.capture(), "epoch": checkpoint_at[0], "batches_done": checkpoint_at[1],
+                      "global_step": global_step, "precision": OmegaConf.to_container(cfg.precision),
+                      "run_id": config.get("run_id"),
+                      "report": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}}
         if last_good is not None:
             last_good = detached_copy(shared)
         own = {"rng": rng.capture(), "window": window.state()}
