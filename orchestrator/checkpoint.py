@@ -35,13 +35,6 @@ class CorruptCheckpoint(Exception):
     """A checkpoint directory that is incomplete or does not match its manifest."""
 
 
-def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        key: (value.detach().float() if value.is_floating_point() else value.detach()).cpu()
-        for key, value in model.state_dict().items()
-    }
-
-
 def dir_name(step: int, attempt: int) -> str:
     """`checkpoint_<step>_<attempt>`: sorts by step, then attempt. A resumed attempt that reaches a step
     again writes a new directory instead of reusing one Ray Train may still hold (or delete)."""

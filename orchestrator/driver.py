@@ -121,6 +121,7 @@ def execute(plan: RunPlan) -> int:
         verb = "Resuming" if plan.resume else "MLflow run"
         print(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' at "
               f"{redact(plan.uri)}", file=sys.stderr)
+    launched_at = time.time()  # launch-to-first-step counts Ray's start too
     module_source = models.module_source(cfg.model.name)
     started_ray, worker_runtime_env = _init_ray(plan.address, module_source)
     previous_sigterm = _interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
@@ -139,7 +140,7 @@ def execute(plan: RunPlan) -> int:
             writer.resume_from_run()
         writer.start()
         trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
-                                worker_runtime_env=worker_runtime_env, run_id=run_id)
+                                worker_runtime_env=worker_runtime_env, run_id=run_id, launched_at=launched_at)
         failure = None
         try:
             with ConsoleProgress(relay):

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator import precision
-from orchestrator.checkpoint import fp32_state_dict
 from orchestrator.memory import MemoryLedger, param_bytes_by_dtype
 from orchestrator.models import build_model
 from orchestrator.optim import build_optimizer, build_scheduler
 from orchestrator.precision import AmpSettings, GuardedScaler, MasterWeights
+from orchestrator.precision.masters import fp32_state_dict
 
 
 def require_bf16_support(policy: precision.Policy, device: torch.device) -> None:

@@ -261,6 +261,8 @@ def train_loop(config: dict[str, Any]) -> None:
             global_step += 1
             faults.kill(global_step)
             loss, outcome = train_step(training, inputs, targets, amp, device, global_step, faults)
+            if global_step == 1 and config.get("launched_at") is not None:  # a fresh run's first step (not a restart)
+                pending["perf/time_to_first_step_s"] = time.time() - config["launched_at"]
             close_audit(training, pending)
             table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
             if table is not None:

@@ -14,6 +14,14 @@ from torch import nn
 from orchestrator.precision.policy import LayerPlan
 
 
+def fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state on the CPU with every floating tensor in fp32 (what checkpoints and logged models hold)."""
+    return {
+        key: (value.detach().float() if value.is_floating_point() else value.detach()).cpu()
+        for key, value in model.state_dict().items()
+    }
+
+
 class MasterWeights:
     def __init__(self, model: nn.Module, plans: dict[str, LayerPlan]):
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
