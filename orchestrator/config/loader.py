@@ -8,11 +8,12 @@ import difflib
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from orchestrator.config.schema import JobConfig
-from orchestrator.config.yamlsafe import load_yaml_mapping
+from orchestrator.config.yamlsafe import load_yaml_mapping, parse_value
 from orchestrator.errors import BadInput
 
 # Lightning's precision strings, accepted as names of our presets.
@@ -92,10 +93,14 @@ def parse_overrides(overrides: Iterable[str]) -> DictConfig:
     for item in items:
         if "=" not in item or item.startswith("="):
             raise BadInput(f"command line: override '{item}' is not of the form key.path=value (e.g. run.epochs=2).")
-    try:
-        return OmegaConf.from_dotlist(items)
-    except OmegaConfBaseException as exc:
-        raise BadInput(f"command line: cannot parse overrides {items}: {str(exc).splitlines()[0]}") from None
+    cli = OmegaConf.create()
+    for item in items:
+        key, _, text = item.partition("=")
+        try:
+            OmegaConf.update(cli, key, parse_value(text), merge=True)
+        except (yaml.YAMLError, OmegaConfBaseException) as exc:
+            raise BadInput(f"command line: cannot parse override '{item}': {str(exc).splitlines()[0]}") from None
+    return cli
 
 
 def resolve_preset(name: str) -> str:

@@ -3,7 +3,11 @@
 PyYAML's SafeLoader already refuses `!!python/...` tags. On top of it we refuse
 duplicate keys (the later one would silently win) and anchors/aliases (a job
 file has no use for them, and they make "billion laughs" expansion possible).
+Booleans are YAML 1.2's `true`/`false` only: `lint: off` or `comm_hook: no` stay the
+strings a user meant, not YAML 1.1's False.
 """
+
+import re
 
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,11 @@ class _StrictLoader(yaml.SafeLoader):
             )
         return super().compose_node(parent, index)
 
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
@@ -36,6 +45,18 @@ class _StrictLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+# YAML 1.2 also reads `1e-3` (no dot) as a float, as users write learning rates.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def parse_value(text: str):
+    """One command-line value (`run.epochs=2`'s `2`) with the same rules as a job file; `key=` is null."""
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 def load_yaml_mapping(path: Path, what: str = "job file") -> dict:
