@@ -3,13 +3,21 @@
 `cifar10` is downloaded by torchvision where the network allows; `digits` is
 scikit-learn's real 8x8 digits served as 3x32x32 so CIFAR models run unchanged;
 `synthetic` is random tensors, for throughput only.
+
+Two ways to feed a rank (`data.loader`): a torch DataLoader over its shard, or `DeviceLoader`, which
+keeps the whole split on the worker's device and slices batches out of it (no loader processes, no
+host-to-device copies per step). Both walk the same `ResumableSampler` order, so they give every
+rank the same samples in the same order.
 """
 
 import itertools
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from orchestrator.errors import BadInput, DataUnavailable
@@ -152,8 +160,8 @@ def build_loaders(
     train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
     loader_workers: int, pin_memory: bool,
 ) -> tuple[DataLoader, DataLoader, ResumableSampler]:
-    """Per-rank loaders; call `train_sampler.set_position(epoch, batches_done, batch_size)` each epoch."""
-    train_sampler = ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    """Per-rank DataLoaders; call `position.set_position(epoch, batches_done, batch_size)` each epoch."""
+    train_sampler = train_shard(train, rank, world_size, seed)
     # Own generators: creating an iterator must not draw from the global RNG, or a resumed run
     # would see a different global RNG state than the uninterrupted one.
     common = dict(batch_size=batch_size, num_workers=loader_workers, pin_memory=pin_memory,
@@ -161,3 +169,110 @@ def build_loaders(
     train_loader = DataLoader(train, sampler=train_sampler, drop_last=False, **common)
     test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), **common)
     return train_loader, test_loader, train_sampler
+
+
+def train_shard(train: Dataset, rank: int, world_size: int, seed: int) -> ResumableSampler:
+    """Rank `rank`'s share of each epoch's shuffled order. The tail that does not divide by the world size
+    is dropped (a different few samples each epoch), so no sample is trained on twice in an epoch."""
+    return ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+
+
+# -- the device-resident path (`data.loader: device`) ---------------------------------------------
+
+
+@dataclass
+class DeviceSplit:
+    """One split as tensors: images (uint8 0..255 or float, NCHW) and labels, plus how to finish a batch."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    mean_std: Optional[tuple[Sequence[float], Sequence[float]]] = None
+    """Per-channel normalisation applied per batch after augmentation (uint8 images are scaled to 0..1 first)."""
+    augment: bool = False
+    """CIFAR-10's training augmentation: random crop with 4 pixels of zero padding, and horizontal flip."""
+
+    def to(self, device: torch.device) -> "DeviceSplit":
+        return DeviceSplit(self.images.to(device), self.labels.to(device), self.mean_std, self.augment)
+
+
+def device_split(dataset: Dataset, *, augment: bool) -> DeviceSplit:
+    """The tensors behind a dataset this module built: a TensorDataset (digits, synthetic) or torchvision's CIFAR10."""
+    if isinstance(dataset, TensorDataset):
+        return DeviceSplit(dataset.tensors[0], dataset.tensors[1])
+    from torchvision.datasets import CIFAR10
+
+    if isinstance(dataset, CIFAR10):  # .data is N x 32 x 32 x 3 uint8: kept as uint8 on the device (4x smaller)
+        images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
+        return DeviceSplit(images, torch.tensor(dataset.targets, dtype=torch.long), (CIFAR_MEAN, CIFAR_STD), augment)
+    raise BadInput(f"data.loader: device cannot hold a {type(dataset).__name__}; use data.loader: dataloader.")
+
+
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
+    """Per sample: a random crop of the zero-padded image (as torchvision's RandomCrop(padding=4)) and a
+    horizontal flip with probability 1/2 (RandomHorizontalFlip), all in one gather on the device."""
+    n, c, h, w = images.shape
+    device = images.device
+    padded = F.pad(images, (padding, padding, padding, padding))
+    dy = torch.randint(0, 2 * padding + 1, (n,), device=device, generator=generator)
+    dx = torch.randint(0, 2 * padding + 1, (n,), device=device, generator=generator)
+    flip = torch.rand(n, device=device, generator=generator) < 0.5
+    rows = dy[:, None] + torch.arange(h, device=device)
+    cols = dx[:, None] + torch.arange(w, device=device)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    batch = torch.arange(n, device=device)[:, None, None, None]
+    channel = torch.arange(c, device=device)[None, :, None, None]
+    return padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+class DeviceLoader:
+    """Batches of one rank's shard sliced out of a device-resident split.
+
+    Walks `sampler` (the same one the DataLoader path uses) in batches of `batch_size`, the last one
+    partial. Augmentation draws from a generator seeded by (seed, rank, epoch, batch), so a batch is
+    the same whether or not the run was interrupted before it.
+    """
+
+    def __init__(self, split: DeviceSplit, sampler: Sampler[int], *, batch_size: int, seed: int, rank: int):
+        self.split, self.sampler, self.batch_size = split, sampler, batch_size
+        self.seed, self.rank = seed, rank
+        self.epoch, self.first_batch = 0, 0
+        self.generator = torch.Generator(device=split.images.device)
+        if split.mean_std is not None:
+            mean, std = (torch.tensor(v, device=split.images.device).view(1, -1, 1, 1) for v in split.mean_std)
+            self.mean, self.std = mean, std
+
+    def set_position(self, epoch: int, batches_done: int, batch_size: int) -> None:
+        """As `ResumableSampler.set_position`: the epoch, and how many of its batches were already trained on."""
+        self.epoch, self.first_batch = epoch, batches_done
+        self.sampler.set_position(epoch, batches_done, batch_size)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.tensor(list(self.sampler), dtype=torch.long, device=self.split.images.device)
+        for number, start in enumerate(range(0, len(order), self.batch_size), start=self.first_batch):
+            yield self._batch(order[start:start + self.batch_size], number)
+
+    def _batch(self, indices: torch.Tensor, number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = self.split.images.index_select(0, indices)
+        if images.dtype == torch.uint8:
+            images = images.float().div_(255)
+        if self.split.augment:
+            self.generator.manual_seed(hash((self.seed, self.rank, self.epoch, number)) & (2**63 - 1))
+            images = random_crop_flip(images, self.generator)
+        if self.split.mean_std is not None:
+            images = (images - self.mean) / self.std
+        return images, self.split.labels.index_select(0, indices)
+
+
+def build_device_loaders(
+    train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, augment: bool,
+    device: torch.device,
+) -> tuple[DeviceLoader, DeviceLoader, DeviceLoader]:
+    """`data.loader: device`: both splits moved to `device` once; returns (train, eval, position) like build_loaders."""
+    train_loader = DeviceLoader(device_split(train, augment=augment).to(device), train_shard(train, rank, world_size, seed),
+                                batch_size=batch_size, seed=seed, rank=rank)
+    eval_loader = DeviceLoader(device_split(test, augment=False).to(device), ShardSampler(len(test), rank, world_size),
+                               batch_size=batch_size, seed=seed, rank=rank)
+    return train_loader, eval_loader, train_loader

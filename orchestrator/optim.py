@@ -5,17 +5,27 @@ from typing import Iterable, Optional
 import torch
 
 
+# `optim.implementation` -> the constructor flags torch's optimizers take.
+IMPLEMENTATION_FLAGS = {
+    "auto": {},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+    "for_loop": {"foreach": False},
+}
+
+
 def build_optimizer(optim_cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     name = optim_cfg.name
+    flags = IMPLEMENTATION_FLAGS[optim_cfg.implementation]
     if name == "sgd":
         return torch.optim.SGD(
             params, lr=optim_cfg.lr, momentum=optim_cfg.momentum,
-            nesterov=optim_cfg.nesterov and optim_cfg.momentum > 0, weight_decay=optim_cfg.weight_decay,
+            nesterov=optim_cfg.nesterov and optim_cfg.momentum > 0, weight_decay=optim_cfg.weight_decay, **flags,
         )
     adam_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
     return adam_cls(
         params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-        weight_decay=optim_cfg.weight_decay,
+        weight_decay=optim_cfg.weight_decay, **flags,
     )
 
 

@@ -55,6 +55,24 @@ class PreparedModel:
     """Records the first step's output dtypes; closed (and set to None) by the loop."""
     params_bytes: int
     """Bytes of the parameters as stored under the policy."""
+    memory_format: torch.memory_format = torch.contiguous_format
+    """What 4-D inputs are converted to before the forward pass (`perf.channels_last`)."""
+    compile_options: Optional[dict[str, Any]] = None
+    """torch.compile arguments still to apply (`perf.compile`); None once compiled, or when not asked."""
+
+    def compile_when_audited(self) -> None:
+        """Compile once the first step's audit has closed: the audited step runs eagerly with its hooks, and the
+        compiled graph never sees them (no recompilation when they are removed)."""
+        if self.compile_options is not None and self.audit is None:
+            self.model = torch.compile(self.model, **self.compile_options)
+            self.compile_options = None
+
+    def inputs(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A batch of inputs on the device, in the model's memory format."""
+        tensor = tensor.to(device, non_blocking=True)
+        if tensor.dim() == 4 and self.memory_format != torch.contiguous_format:
+            tensor = tensor.contiguous(memory_format=self.memory_format)
+        return tensor
 
     def optimizer_params(self) -> Iterator[torch.Tensor]:
         return self.masters.optimizer_params(self.raw) if self.masters else self.raw.parameters()
@@ -78,7 +96,8 @@ def prepare_model(cfg, device: torch.device, weights: Optional[dict] = None, pro
     model = build_model(cfg.model)
     if weights is not None:
         model.load_state_dict(weights)
-    model.to(device)
+    memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
+    model.to(device, memory_format=memory_format)  # before masters: their copies keep the layout
     broadcast_from_rank0(model)
     plans = precision.plan(model, policy)
     masters = MasterWeights(model, plans) if policy.master_weights else None
@@ -89,8 +108,26 @@ def prepare_model(cfg, device: torch.device, weights: Optional[dict] = None, pro
     if ddp:
         import ray.train.torch
 
-        wrapped = ray.train.torch.prepare_model(model)
-    return PreparedModel(wrapped, model, masters, audit, params_bytes)
+        wrapped = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(cfg.ddp))
+        register_comm_hook(wrapped, cfg.ddp.comm_hook)
+    compile_options = {"backend": cfg.perf.compile_backend, "mode": cfg.perf.compile_mode} if cfg.perf.compile else None
+    return PreparedModel(wrapped, model, masters, audit, params_bytes, memory_format, compile_options)
+
+
+def ddp_kwargs(ddp_cfg) -> dict[str, Any]:
+    """The `ddp` section as DistributedDataParallel arguments."""
+    return {"bucket_cap_mb": ddp_cfg.bucket_cap_mb, "gradient_as_bucket_view": ddp_cfg.gradient_as_bucket_view,
+            "static_graph": ddp_cfg.static_graph, "find_unused_parameters": ddp_cfg.find_unused_parameters}
+
+
+def register_comm_hook(model: nn.Module, hook: str) -> None:
+    """`ddp.comm_hook`: compress gradients to fp16/bf16 for the all-reduce (a no-op without DDP)."""
+    if hook == "none" or not isinstance(model, nn.parallel.DistributedDataParallel):
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    compress = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[hook]
+    model.register_comm_hook(state=None, hook=compress)
 
 
 @dataclass

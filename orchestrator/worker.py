@@ -19,12 +19,12 @@ from omegaconf import OmegaConf
 
 from orchestrator import checkpoint as ckpt
 from orchestrator import precision, rng
-from orchestrator.data import build_datasets, build_loaders
+from orchestrator.data import build_datasets, build_device_loaders, build_loaders
 from orchestrator.faults import Faults
 from orchestrator.memory import peak_bytes, peak_reserved_bytes
 from orchestrator.precision import AmpSettings, LossScaleCollapsed, StepOutcome, autocast_context
 from orchestrator.rng import seed_everything
-from orchestrator.training import Training, build_training, detached_copy
+from orchestrator.training import PreparedModel, Training, build_training, detached_copy
 
 
 class PolicyNotHonoured(RuntimeError):
@@ -58,6 +58,13 @@ class Window:
         self.samples = 0
         self.started = time.perf_counter()
 
+    def exclude_since(self, since: float) -> None:
+        """Leave the time from `since` until now (reporting, evaluation, checkpointing) out of the throughput."""
+        if self.samples == 0:  # read just before: the window starts now
+            self.started = time.perf_counter()
+        else:
+            self.started += time.perf_counter() - since
+
     def add(self, loss: torch.Tensor, batch_size: int) -> None:
         self.loss_sum += loss.detach().double() * batch_size
         self.samples += batch_size
@@ -83,7 +90,7 @@ def train_step(training: Training, inputs, targets, amp: AmpSettings, device: to
                faults: Faults | None = None) -> tuple[torch.Tensor, StepOutcome]:
     """One optimizer step under autocast; the guarded scaler steps or skips it the same on every rank."""
     model, masters, ledger = training.prepared.model, training.prepared.masters, training.ledger
-    inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    inputs, targets = training.prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
     recording = ledger.probe.recording() if ledger.probe is not None else nullcontext()  # first step only
     with autocast_context(amp, device.type), recording:
         loss = F.cross_entropy(model(inputs).float(), targets)
@@ -106,14 +113,15 @@ def train_step(training: Training, inputs, targets, amp: AmpSettings, device: to
 
 
 @torch.no_grad()
-def evaluate(model, loader, amp: AmpSettings, device: torch.device) -> dict[str, float]:
+def evaluate(prepared: PreparedModel, loader, amp: AmpSettings, device: torch.device) -> dict[str, float]:
     """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
+    model = prepared.model
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     count = 0
     for inputs, targets in loader:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets = prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
         with autocast_context(amp, device.type):
             logits = model(inputs)
         loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").double()
@@ -189,10 +197,13 @@ def train_loop(config: dict[str, Any]) -> None:
 
     # Data: every rank sees its own shard of the training set and of the eval set.
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
-    train_loader, eval_loader, train_sampler = build_loaders(
-        train_set, eval_set, batch_size=cfg.run.batch_size, rank=rank, world_size=world_size,
-        seed=cfg.run.seed, loader_workers=cfg.data.loader_workers, pin_memory=device.type == "cuda",
-    )
+    shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed)
+    if cfg.data.loader == "device":  # the whole dataset on the device: batches are slices, no copies per step
+        train_loader, eval_loader, position = build_device_loaders(
+            train_set, eval_set, augment=cfg.data.augment, device=device, **shard)
+    else:
+        train_loader, eval_loader, position = build_loaders(
+            train_set, eval_set, loader_workers=cfg.data.loader_workers, pin_memory=device.type == "cuda", **shard)
     steps_per_epoch = len(train_loader)
     if cfg.run.max_steps_per_epoch is not None:
         steps_per_epoch = min(steps_per_epoch, cfg.run.max_steps_per_epoch)
@@ -237,8 +248,10 @@ def train_loop(config: dict[str, Any]) -> None:
     def report(metrics: dict[str, Any], checkpoint_at: tuple[int, int] | None = None) -> None:
         """Report; with `checkpoint_at=(epoch, batches_done)` every rank also saves its part of a checkpoint."""
         nonlocal last_good
+        began = time.perf_counter()
         if checkpoint_at is None:
             ray.train.report(metrics)
+            window.exclude_since(began)
             return
         shared = None
         if rank == 0 or last_good is not None:  # the other ranks need it only as a rollback snapshot
@@ -251,10 +264,11 @@ def train_loop(config: dict[str, Any]) -> None:
         own = {"rng": rng.capture(), "window": window.state()}
         with ckpt.staged_checkpoint(rank, shared if rank == 0 else None, own, global_step) as checkpoint:
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(global_step, attempt))
+        window.exclude_since(began)  # perf/samples_per_s measures training steps only
 
     for epoch in range(start_epoch, cfg.run.epochs):
         first = batches_done if epoch == start_epoch else 0
-        train_sampler.set_position(epoch, first, cfg.run.batch_size)
+        position.set_position(epoch, first, cfg.run.batch_size)
         for step_in_epoch, (inputs, targets) in enumerate(train_loader, start=first):
             if step_in_epoch >= steps_per_epoch:
                 break
@@ -264,6 +278,7 @@ def train_loop(config: dict[str, Any]) -> None:
             if global_step == 1 and config.get("launched_at") is not None:  # a fresh run's first step (not a restart)
                 pending["perf/time_to_first_step_s"] = time.time() - config["launched_at"]
             close_audit(training, pending)
+            training.prepared.compile_when_audited()  # perf.compile: from the second step of a (re)built model
             table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
             if table is not None:
                 pending.update({"memory/breakdown": table, **training.ledger.metrics()})
@@ -292,7 +307,7 @@ def train_loop(config: dict[str, Any]) -> None:
         if window.samples:
             metrics.update(read_window())
         if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
-            metrics.update(evaluate(training.prepared.model, eval_loader, amp, device))
+            metrics.update(evaluate(training.prepared, eval_loader, amp, device))
             close_audit(training, metrics)  # a policy changed on the epoch's last step shows in eval's forward
         metrics.update(memory_peaks(rank, world_size, device))
         metrics.update({"memory/params_bytes": float(training.prepared.params_bytes), **training.ledger.metrics()})

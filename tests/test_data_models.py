@@ -38,9 +38,9 @@ def test_each_rank_trains_on_its_own_shard_and_eval_covers_every_sample_once():
         sampler.set_epoch(0)
         seen_train.append(set(sampler))
         seen_eval.extend(eval_loader.sampler)
-    # DistributedSampler pads the shorter shard with at most world_size - 1 repeated samples.
-    assert len(train) % 2 == 1 and len(seen_train[0] & seen_train[1]) <= 1
-    assert len(seen_train[0] | seen_train[1]) == len(train)
+    # Disjoint shards of equal size; the odd sample left over is dropped (a different one each epoch), never repeated.
+    assert len(train) % 2 == 1 and not seen_train[0] & seen_train[1]
+    assert len(seen_train[0]) == len(seen_train[1]) == len(train) // 2
     assert sorted(seen_eval) == list(range(len(test)))
 
 

@@ -35,6 +35,9 @@ class DataSection:
     """DataLoader worker processes per Ray worker (0 loads in the training process)."""
     synthetic_samples: int = 4096
     """Number of random training samples for `synthetic` (throughput runs only)."""
+    loader: str = "dataloader"
+    """`dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
+    worker's device, each rank taking its shard, augmentation on the device, no loader processes."""
 
 
 @dataclass
@@ -57,6 +60,9 @@ class OptimSection:
     """Learning-rate schedule: `none`, `cosine` (to 0 over the run) or `onecycle`."""
     warmup_fraction: float = 0.25
     """Fraction of the run spent warming up under `onecycle`."""
+    implementation: str = "auto"
+    """Optimizer kernels: `auto` (torch's choice: foreach on accelerators), `foreach` (one kernel per op over all
+    tensors), `fused` (one kernel per step; CUDA and CPU) or `for_loop` (one op per tensor)."""
 
 
 @dataclass
@@ -151,6 +157,37 @@ class ScalingSection:
 
 
 @dataclass
+class DdpSection:
+    """Knobs of torch's DistributedDataParallel (used when there is more than one worker)."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradients are all-reduced in buckets of about this many MiB, overlapping backward."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into the all-reduce buckets: saves one gradient-sized copy of memory."""
+    static_graph: bool = False
+    """The model uses the same parameters every step: DDP may skip per-step bookkeeping."""
+    find_unused_parameters: bool = False
+    """Needed only by models whose forward leaves some parameters out; costs a graph traversal per step."""
+    comm_hook: str = "none"
+    """Gradient compression for the all-reduce: `none`, `fp16` or `bf16` (halves the bytes sent; gradients
+    are rounded to that dtype for the exchange, then restored to their own dtype)."""
+
+
+@dataclass
+class PerfSection:
+    """Execution switches that change speed, not the maths (see docs/performance.md)."""
+
+    channels_last: bool = False
+    """Store 4-D activations and conv weights as NHWC (faster convolutions on tensor cores)."""
+    compile: bool = False
+    """Compile the model with torch.compile (slower first steps, faster steady state)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (`inductor`; `aot_eager` or `eager` to debug)."""
+    compile_mode: Optional[str] = None
+    """torch.compile mode (`default`, `reduce-overhead`, `max-autotune`); null is torch's default."""
+
+
+@dataclass
 class RunSection:
     name: Optional[str] = None
     """Name of the Ray Train run and the MLflow run; defaults to `<job file stem>-<timestamp>`."""
@@ -212,6 +249,10 @@ class JobConfig:
     """Autocast dtype and loss scaling."""
     scaling: ScalingSection = field(default_factory=ScalingSection)
     """How many workers and what each gets."""
+    ddp: DdpSection = field(default_factory=DdpSection)
+    """DistributedDataParallel knobs: buckets, gradient views, static graph, gradient compression."""
+    perf: PerfSection = field(default_factory=PerfSection)
+    """Fast paths: channels_last, torch.compile."""
     run: RunSection = field(default_factory=RunSection)
     """Epochs, batch size, seed, evaluation cadence."""
     tracking: TrackingSection = field(default_factory=TrackingSection)

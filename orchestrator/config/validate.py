@@ -14,6 +14,10 @@ SCHEDULES = ("none", "cosine", "onecycle")
 LINT_LEVELS = ("error", "warn", "off")
 ON_COLLAPSE = ("abort", "rollback", "promote")
 ON_NAN_LOSS = ("abort", "skip")
+LOADERS = ("dataloader", "device")
+OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
+COMM_HOOKS = ("none", "fp16", "bf16")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 
 
 def _require(ok: bool, source: str, key: str, message: str) -> None:
@@ -39,6 +43,17 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.optim.schedule in SCHEDULES, "optim.schedule", f"unknown schedule '{cfg.optim.schedule}'. Use one of {', '.join(SCHEDULES)}.")
     r(len(cfg.optim.betas) == 2, "optim.betas", "must be a list of two numbers [beta1, beta2].")
     r(0 < cfg.optim.warmup_fraction < 1, "optim.warmup_fraction", "must be between 0 and 1.")
+
+    r(cfg.optim.implementation in OPTIM_IMPLEMENTATIONS, "optim.implementation",
+      f"unknown implementation '{cfg.optim.implementation}'. Use one of {', '.join(OPTIM_IMPLEMENTATIONS)}.")
+    r(cfg.data.loader in LOADERS, "data.loader", f"unknown loader '{cfg.data.loader}'. Use one of {', '.join(LOADERS)}.")
+    r(cfg.data.loader != "device" or cfg.data.loader_workers == 0, "data.loader_workers",
+      "must be 0 with data.loader: device (the data is already on the device; there is nothing for "
+      "loader processes to do).")
+    r(cfg.ddp.bucket_cap_mb > 0, "ddp.bucket_cap_mb", f"must be > 0 MiB, got {cfg.ddp.bucket_cap_mb}.")
+    r(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", f"unknown hook '{cfg.ddp.comm_hook}'. Use one of {', '.join(COMM_HOOKS)}.")
+    r(cfg.perf.compile_backend in COMPILE_BACKENDS, "perf.compile_backend",
+      f"unknown backend '{cfg.perf.compile_backend}'. Use one of {', '.join(COMPILE_BACKENDS)}.")
 
     try:  # these raise BadInput naming their key; add the file
         AmpSettings.from_config(cfg.precision)
