@@ -157,8 +157,11 @@ def execute(plan: RunPlan) -> int:
         except TrainingFailedError as exc:
             failure = exc
         except BaseException as exc:  # Ctrl-C or a driver-side error: close the run, then let it propagate
+            # Ctrl-C arrives as SystemExit: fit() installs Ray Train's SIGINT handler, which aborts the
+            # controller and calls sys.exit.
+            interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
             writer.close(timeout_s=10)
-            _finish(writer.tracker, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", timeout_s=10)
+            _finish(writer.tracker, "KILLED" if interrupted else "FAILED", timeout_s=10)
             records.write_record(storage, plan.run_name, status="KILLED")
             raise
         writer.close(cfg.tracking.flush_timeout_s)
