@@ -183,12 +183,13 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]
 
     results = []
     for number, (preset, cfg) in enumerate(plan.configs.items(), start=1):
+        _ctrl_c_interrupts()
         print(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===", file=sys.stderr)
         child = None
         try:
             child = plan_run(cfg, plan.job_path, plan.address, False, parent_run_id=parent.run_id)
             exit_code = execute(child)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
             if child is not None and child.tracker is not None and child.tracker.status() == "RUNNING":
                 child.tracker.finish("KILLED")
             raise
@@ -198,6 +199,16 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]
         run_id = child.tracker.run_id if child is not None and child.tracker is not None else None
         results.append((preset, run_id, exit_code))
     return results
+
+
+def _ctrl_c_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt again. Each fit() installs Ray Train's SIGINT handler (abort that
+    run's controller, then sys.exit) and leaves it installed after the run ended."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
@@ -235,11 +246,12 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         previous_sigterm = _interrupt_on_sigterm()
         results = run_children(plan, parent)
         client = MlflowClient(tracking_uri=parent.uri)
+        _ctrl_c_interrupts()
         rows = add_baseline_ratios([child_row(client, *result) for result in results])
         log_comparison(parent, rows)
         failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
         parent.finish("FAILED" if failed else "FINISHED")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ctrl-C through Ray Train's handler (see above)
         parent.finish("KILLED")
         print(f"\nsweep interrupted: parent run {parent.run_id} and the running child marked KILLED.",
               file=sys.stderr)

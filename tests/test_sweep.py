@@ -279,3 +279,36 @@ def test_a_failed_child_does_not_stop_the_sweep(tmp_path):
     assert rows[1]["final_accuracy"] == pytest.approx(o0.data.metrics["eval/accuracy"])
     assert rows[1]["speedup"] is None  # no baseline to compare with: the first preset failed
     assert "not finished: bf16-mixed" in out.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_closes_the_parent_and_the_running_child_killed(tmp_path):
+    import signal
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "long.yaml"
+    job.write_text(yaml.safe_dump(small_job(run={"epochs": 50, "max_steps_per_epoch": None},
+                                            tracking={"uri": uri, "experiment": "sweep-ctrl-c"})))
+    sweep = subprocess.Popen([sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "O0,bf16-mixed",
+                              f"checkpoint.storage_path={tmp_path / 'ray_results'}"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client, deadline = MlflowClient(tracking_uri=uri), time.monotonic() + 240
+        while time.monotonic() < deadline:  # wait until the first child is training (it has logged a loss)
+            experiment = client.get_experiment_by_name("sweep-ctrl-c") if (tmp_path / "mlflow.db").exists() else None
+            runs = client.search_runs([experiment.experiment_id]) if experiment else []
+            if any("train/loss" in run.data.metrics for run in runs):
+                break
+            assert sweep.poll() is None, sweep.communicate()
+            time.sleep(1)
+        else:
+            pytest.fail("the first child never logged a loss")
+        sweep.send_signal(signal.SIGINT)
+        stdout, stderr = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 130, stdout + stderr
+    client, parent, children = _sweep_runs(uri, "sweep-ctrl-c")
+    assert parent.info.status == "KILLED"
+    assert [(child.data.tags["preset"], child.info.status) for child in children] == [("O0", "KILLED")]
