@@ -129,6 +129,8 @@ def validate(args: argparse.Namespace) -> SweepPlan:
                        "submit each preset with `python -m orchestrator.submit JOB precision.preset=P --address ...`.")
     if any(item.split("=", 1)[0].strip() == "precision.preset" for item in args.overrides):
         raise BadInput("command line: precision.preset is set by the sweep; list the presets with --presets.")
+    if not 0 <= args.max_accuracy_drop < 1:
+        raise BadInput(f"--max-accuracy-drop {args.max_accuracy_drop:g}: must be in [0, 1) (0.01 = 1 point).")
     presets = parse_presets(args.presets)
     job_path = Path(args.job)
     first = load_job(job_path, [*args.overrides, f"precision.preset={presets[0]}"])

@@ -49,6 +49,8 @@ CASES = {
     "job_precision_replaces_a_preset": (small_job(precision={"compute_dtype": "float16"}),
                                         ["--presets", "O0,bf16-mixed"],
                                         ["precision.compute_dtype", "replaces preset O0's float32"]),
+    "negative_accuracy_drop": (small_job(), ["--presets", "O0", "--max-accuracy-drop=-0.1"],
+                               ["--max-accuracy-drop -0.1: must be in [0, 1)"]),
     "bad_override": (small_job(), ["--presets", "O0", "run.epoch=2"], ["command line", "run.epochs"]),
     "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), ["--presets", "O0"],
                              ["8192 CPU"]),
