@@ -114,6 +114,14 @@ def test_job_precision_keys_that_keep_the_presets_are_announced(write_job, capsy
     assert [cfg.run.name for cfg in plan.configs.values()] == [f"{plan.name}-O0", f"{plan.name}-bf16-true"]
 
 
+def test_lightning_names_are_accepted_and_children_run_the_canonical_preset(write_job):
+    from orchestrator.sweep import parse_args, validate
+
+    plan = validate(parse_args([str(write_job(small_job())), "--presets", "32-true, bf16", "run.name=mine"]))
+    assert list(plan.configs) == ["O0", "bf16-mixed"] and plan.name == "mine-sweep"
+    assert [cfg.precision.compute_dtype for cfg in plan.configs.values()] == ["float32", "bfloat16"]
+
+
 # -- the comparison, from real MLflow runs ---------------------------------------------------------
 
 
