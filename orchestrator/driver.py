@@ -35,13 +35,15 @@ class RunPlan:
     resume: bool
     tracker: object
     """The MLflow run (RunTracker), or None while MLflow is unreachable and `tracking.required` is false."""
+    parent_run_id: Optional[str] = None
+    """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
 
 
 def default_run_name(job_path: Path) -> str:
     return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str):
+def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
     from orchestrator.tracking import RunTracker, git_commit
 
     tags = {"preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
@@ -51,11 +53,17 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str):
     if commit:
         tags["git_commit"] = commit
         tags["mlflow.source.git.commit"] = commit
+    if parent_run_id:  # MLflow's UI nests the run under its parent (a sweep)
+        tags["mlflow.parentRunId"] = parent_run_id
     return RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
 
 
-def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bool) -> RunPlan:
-    """Which run, and its MLflow run; BadInput (exit 2) before anything is created when it cannot be."""
+def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bool,
+             parent_run_id: Optional[str] = None) -> RunPlan:
+    """Which run, and its MLflow run; BadInput (exit 2) before anything is created when it cannot be.
+
+    `parent_run_id`: create the MLflow run as a child of that run (`orchestrator.sweep`).
+    """
     from orchestrator import resume as records
     from orchestrator.tracking import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
 
@@ -75,14 +83,14 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bo
             tracker = RunTracker.open(uri, record["run_id"])
             tracker.reopen()
         else:
-            tracker = _start_run(cfg, job_path, uri, run_name)
+            tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id)
     except TrackingUnavailable:
         if cfg.tracking.required:
             raise
         print(f"warning: MLflow at {redact(uri)} cannot be reached; training anyway (tracking.required: false). "
               "The run is created and filled in once it answers.", file=sys.stderr)
         tracker = None
-    return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker)
+    return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id)
 
 
 def _init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bool, Optional[dict]]:
@@ -135,7 +143,8 @@ def execute(plan: RunPlan) -> int:
                              tracking_uri=redact(plan.uri), status="RUNNING")
         relay = ReportRelay.remote()
         writer = MlflowWriter(relay, plan.tracker,
-                              start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name))
+                              start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name,
+                                                           plan.parent_run_id))
         if plan.resume and plan.tracker is not None:
             writer.resume_from_run()
         writer.start()
@@ -148,8 +157,11 @@ def execute(plan: RunPlan) -> int:
         except TrainingFailedError as exc:
             failure = exc
         except BaseException as exc:  # Ctrl-C or a driver-side error: close the run, then let it propagate
+            # Ctrl-C arrives as SystemExit: fit() installs Ray Train's SIGINT handler, which aborts the
+            # controller and calls sys.exit.
+            interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
             writer.close(timeout_s=10)
-            _finish(writer.tracker, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", timeout_s=10)
+            _finish(writer.tracker, "KILLED" if interrupted else "FAILED", timeout_s=10)
             records.write_record(storage, plan.run_name, status="KILLED")
             raise
         writer.close(cfg.tracking.flush_timeout_s)
