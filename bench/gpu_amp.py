@@ -25,6 +25,7 @@ bench.common, so it runs where Ray and MLflow are not installed. Without CUDA it
 `skipped: no CUDA device` and exits 0.
 """
 
+import contextlib
 import gc
 import sys
 
@@ -57,7 +58,8 @@ class Candidate:
     def step(self) -> None:
         inputs, targets = self.batches[self.index % len(self.batches)]
         self.index += 1
-        with torch.autocast("cuda", dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+        context = torch.autocast("cuda", dtype=self.dtype) if self.dtype is not None else contextlib.nullcontext()
+        with context:
             loss = F.cross_entropy(self.model(inputs).float(), targets)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()

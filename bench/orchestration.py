@@ -61,6 +61,10 @@ def run_ours(args, tmp: Path, index: int) -> dict:
     job_path.write_text(yaml.safe_dump(job, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.health_check_interval_s is not None:  # how often Ray Train's controller drains each worker's reports
+        env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
+    else:
+        env.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "orchestrator.submit", str(job_path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=args.timeout)
@@ -152,6 +156,9 @@ def main(argv=None) -> int:
     cli.add_argument("--repeats", type=int, help="runs of each candidate, alternating (default 3; 1 with --smoke)")
     cli.add_argument("--threads", type=int, default=1, help="torch threads per rank (Ray's default for a "
                                                             "1-CPU worker is 1)")
+    cli.add_argument("--health-check-interval-s", type=float,
+                     help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for our run (default: Ray's, 2 s). The controller takes "
+                          "one report per worker per interval; ray.train.report blocks while the previous one waits")
     cli.add_argument("--timeout", type=float, default=900, help="seconds one submit run may take")
     args = cli.parse_args(argv)
     args.batch_size = args.batch_size or (16 if args.smoke else 64)
@@ -200,6 +207,7 @@ def main(argv=None) -> int:
         config={"model": args.model, "workers": args.workers, "batch_size_per_rank": args.batch_size,
                 "steps": args.steps, "log_every_n_steps": args.log_every, "warmup_windows": args.warmup_windows,
                 "repeats": args.repeats, "threads_per_rank": args.threads, "dtype": "float32 (O0)",
+                "ray_train_health_check_interval_s": args.health_check_interval_s or "Ray's default (2.0)",
                 "smoke": args.smoke},
         figures=figures,
         ratios={"orchestration_throughput": throughput["ours"] / throughput["plain"],

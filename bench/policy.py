@@ -122,7 +122,9 @@ def main(argv=None) -> int:
 
     # Same computation? Same weights (the plain model was loaded from the policy model's), same batch.
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-        same_logits = torch.equal(training.prepared.model(batches[0][0]), plain_model(batches[0][0]))
+        policy_logits, plain_logits = training.prepared.model(batches[0][0]), plain_model(batches[0][0])
+    same_logits = torch.equal(policy_logits, plain_logits)
+    max_logit_diff = (policy_logits.float() - plain_logits.float()).abs().max().item()
     # That forward filled the policy's audit: close it as the worker does after its first step.
     worker.close_audit(training, {})
 
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     print(f"bench.policy on {common.device_description(device)}: {model_name}, batch {batch}, bf16-mixed, "
           f"float32 rules {globs} ({pinned} layers pinned by hand), {repeats} rounds x {steps} steps")
     common.print_table(["candidate", "batch", "ms/step", "samples/s", "spread"], rows)
-    print(f"same_logits = {same_logits}")
+    print(f"same_logits = {same_logits} (max |difference| {max_logit_diff:.3g})")
     ratio = med["policy"] / med["plain"]
     common.finish(
         HARNESS, device=common.device_description(device),
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
         figures={"policy_ms_per_step": med["policy"] * 1e3, "plain_ms_per_step": med["plain"] * 1e3,
                  "policy_ms_per_step_repeats": [t * 1e3 for t in times["policy"]],
                  "plain_ms_per_step_repeats": [t * 1e3 for t in times["plain"]],
-                 "same_logits": same_logits},
+                 "same_logits": same_logits, "max_logit_diff": max_logit_diff},
         ratios={"policy_step_time": ratio}, targets={"policy_step_time": TARGET}, json_path=args.json)
     return 0
 
