@@ -59,7 +59,9 @@ def run_ours(args, tmp: Path, index: int) -> dict:
     job = job_dict(args, tmp)
     job["run"]["name"] = f"bench-ours-{index}"
     job_path.write_text(yaml.safe_dump(job, sort_keys=False))
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    # A local Ray of its own, the job's MLflow URI, and none of the plain run's rendezvous variables.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = str(args.threads)
     if args.health_check_interval_s is not None:  # how often Ray Train's controller drains each worker's reports
         env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
