@@ -22,7 +22,6 @@ the submit subprocess gets OMP_NUM_THREADS set to it so the two can never differ
 """
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,9 +58,8 @@ def run_ours(args, tmp: Path, index: int) -> dict:
     job = job_dict(args, tmp)
     job["run"]["name"] = f"bench-ours-{index}"
     job_path.write_text(yaml.safe_dump(job, sort_keys=False))
-    # A local Ray of its own, the job's MLflow URI, and none of the plain run's rendezvous variables.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "MASTER_ADDR", "MASTER_PORT")}
+    # A local Ray of its own, and the job's MLflow URI.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["OMP_NUM_THREADS"] = str(args.threads)
     if args.health_check_interval_s is not None:  # how often Ray Train's controller drains each worker's reports
         env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
@@ -84,7 +82,7 @@ def run_ours(args, tmp: Path, index: int) -> dict:
             "process_wall_s": wall}
 
 
-def plain_rank(rank: int, args, cfg: dict, launched_at: float, result_path: str) -> None:
+def plain_rank(rank: int, args, cfg: dict, launched_at: float, result_path: str, rendezvous: str) -> None:
     """One rank of the plain DDP loop (a spawned process)."""
     import json
 
@@ -98,7 +96,7 @@ def plain_rank(rank: int, args, cfg: dict, launched_at: float, result_path: str)
     from orchestrator.models import build_model
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.workers)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.workers)
     cfg = OmegaConf.create(cfg)
     torch.manual_seed(cfg.run.seed + rank)
     train_set, _ = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
@@ -133,14 +131,11 @@ def run_plain(args, cfg: dict, tmp: Path, index: int) -> dict:
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     result_path = tmp / f"plain{index}.json"
+    rendezvous = tmp / f"plain{index}.rendezvous"  # a file, not a port: nothing to race other jobs for
     started = time.perf_counter()
     launched_at = time.time()
-    mp.spawn(plain_rank, args=(args, cfg, launched_at, str(result_path)), nprocs=args.workers, join=True)
+    mp.spawn(plain_rank, args=(args, cfg, launched_at, str(result_path), str(rendezvous)), nprocs=args.workers, join=True)
     result = json.loads(result_path.read_text())
     result["steady"] = result["windows"][args.warmup_windows:]
     result["process_wall_s"] = time.perf_counter() - started
