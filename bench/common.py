@@ -1,0 +1,175 @@
+"""What every harness shares: its command line, interleaved timing, the printed table, the JSON record.
+
+Imports only the standard library and torch, so every harness (the GPU one included) can use it on
+a machine without Ray or MLflow.
+"""
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+
+def parser(harness: str, description: str) -> argparse.ArgumentParser:
+    """The options every harness has: --smoke (tiny, CPU, for CI) and --json PATH."""
+    cli = argparse.ArgumentParser(prog=f"python -m bench.{harness}", description=description)
+    cli.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (seconds, for CI): checks it runs, "
+                                                          "not the figures")
+    cli.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    return cli
+
+
+def command_line(harness: str) -> str:
+    return " ".join([f"python -m bench.{harness}", *sys.argv[1:]])
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    threads = torch.get_num_threads()
+    return f"cpu: {platform.processor() or platform.machine()}, torch threads {threads}"
+
+
+def synchronize(device: torch.device) -> Callable[[], None]:
+    """What makes a wall-clock reading mean "the work is done" on `device`."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def interleaved(candidates: dict[str, Callable[[], None]], *, warmup: int, repeats: int, steps: int,
+                sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds per step of each candidate, one figure per repeat.
+
+    Every candidate first runs `warmup` untimed steps. Then each of `repeats` rounds runs every
+    candidate for `steps` steps in turn, the order rotated each round so that no candidate always
+    follows the same one (caches, allocator, clock boost): slow drift of the machine hits all of them.
+    """
+    for step in candidates.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    names = list(candidates)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            step = candidates[name]
+            sync()
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            times[name].append((time.perf_counter() - started) / steps)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median of the repeats: how far apart the repeats were."""
+    if len(values) < 2:
+        return 0.0
+    middle = median(values)
+    return (max(values) - min(values)) / middle if middle else float("nan")
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def meets(value: float, target: str) -> Optional[bool]:
+    """Whether `value` meets a target written as '>= 0.97' or '<= 1.03'; None when it cannot say."""
+    op, _, bound = target.partition(" ")
+    if not finite(value):
+        return None
+    return value >= float(bound) if op == ">=" else value <= float(bound)
+
+
+def print_table(columns: list[str], rows: list[list[Any]]) -> None:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in text)) if text else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in text:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def finish(harness: str, *, device: str, config: dict[str, Any], figures: dict[str, Any],
+           ratios: dict[str, float], targets: dict[str, str], json_path: Optional[str]) -> dict[str, Any]:
+    """Print the ratio lines (with their targets) and write the JSON record when asked."""
+    for name, value in ratios.items():
+        target = targets.get(name)
+        verdict = ""
+        if target is not None:
+            ok = meets(value, target)
+            verdict = f"  (target {target}: {'met' if ok else 'MISSED' if ok is not None else 'n/a'})"
+        print(f"ratio {name} = {value:.4f}{verdict}")
+    record = {"harness": harness, "device": device, "torch": torch.__version__, "config": config,
+              "figures": figures, "ratios": ratios, "targets": targets, "command": command_line(harness)}
+    if json_path:
+        write_json(json_path, record)
+    return record
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+class _Absent(types.ModuleType):
+    """Stands in for a module that is not installed: any attribute is an inert placeholder class."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        value = type(attr, (), {"__module__": self.__name__})
+        setattr(self, attr, value)
+        return value
+
+
+_RAY_SIDE = ("ray", "ray.train", "ray.train.torch", "pyarrow", "pyarrow.fs")
+
+
+def worker_module() -> types.ModuleType:
+    """`orchestrator.worker`, for its `train_step`, `Window` and `close_audit`, even where Ray is absent.
+
+    worker.py imports Ray (and, through orchestrator.faults, pyarrow) at its top for `train_loop`;
+    the step function itself needs neither. On a machine without them (the GPU box) placeholder
+    modules stand in during the import only, so the harnesses time the real step code rather than a
+    copy of it. Anything in worker.py that really calls Ray would fail loudly on a placeholder.
+    """
+    try:
+        import orchestrator.worker as worker
+
+        return worker
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("ray", "pyarrow"):
+            raise
+    added = [name for name in _RAY_SIDE if name not in sys.modules]
+    for name in added:
+        sys.modules[name] = _Absent(name)
+    for name in added:
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, sys.modules[name])
+    try:
+        import orchestrator.worker as worker
+    finally:
+        for name in added:
+            del sys.modules[name]
+    return worker

@@ -1,0 +1,217 @@
+"""Steady-state throughput and launch time of our Ray Train worker loop vs a plain torch DDP script.
+
+What is compared (CPU, fp32, 2 ranks over gloo, the same model, synthetic data, per-rank batch,
+optimizer, number of steps, and torch threads per rank):
+
+- `ours`: a real `python -m orchestrator.submit JOB.yaml` in a subprocess, on a job file written
+  to a temp dir (preset O0, synthetic data, MLflow in a SQLite file there, checkpoints there, no
+  model logging). Its figures are what the worker reports and the driver logs: the
+  `perf/samples_per_s` history (one window every `tracking.log_every_n_steps` steps, summed over
+  ranks, timed on rank 0) and `perf/time_to_first_step_s` (from the driver's `execute()`, before
+  Ray starts, to the end of the first step), read back from MLflow afterwards.
+- `plain`: `torch.multiprocessing.spawn` of 2 ranks running a hand-written loop: init_process_group,
+  DistributedDataParallel, DistributedSampler + DataLoader, `zero_grad / backward / step`. Rank 0
+  takes a timestamp every `log_every` steps, so its windows are the same steps as ours; launch time
+  runs from the spawn call to the end of the first step on rank 0.
+
+The first `--warmup-windows` windows are left out of both; each run's figure is the median of its
+remaining windows, and the candidates run alternately (plain, ours, plain, ours, ...), median over
+the repeats. Threads: a Ray Train worker with its default 1 CPU gets OMP_NUM_THREADS=1 from Ray
+(torch then uses 1 thread); the plain ranks call torch.set_num_threads with the same number, and
+the submit subprocess gets OMP_NUM_THREADS set to it so the two can never differ.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import common
+
+HARNESS = "orchestration"
+TARGET = ">= 0.97"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def job_dict(args, tmp: Path) -> dict:
+    return {
+        "model": {"name": args.model},
+        "data": {"name": "synthetic", "synthetic_samples": args.steps * args.batch_size * args.workers},
+        "precision": {"preset": "O0"},
+        "scaling": {"num_workers": args.workers},
+        "run": {"epochs": 1, "batch_size": args.batch_size, "max_steps_per_epoch": args.steps, "seed": 0},
+        "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "bench-orchestration",
+                     "log_every_n_steps": args.log_every, "log_model": False},
+        "checkpoint": {"storage_path": str(tmp / "ray_results")},
+    }
+
+
+def run_ours(args, tmp: Path, index: int) -> dict:
+    import yaml
+    from mlflow import MlflowClient
+
+    job_path = tmp / f"ours{index}.yaml"
+    job = job_dict(args, tmp)
+    job["run"]["name"] = f"bench-ours-{index}"
+    job_path.write_text(yaml.safe_dump(job, sort_keys=False))
+    # A local Ray of its own, and the job's MLflow URI.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.health_check_interval_s is not None:  # how often Ray Train's controller drains each worker's reports
+        env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
+    else:
+        env.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "orchestrator.submit", str(job_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"orchestrator.submit exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    client = MlflowClient(tracking_uri=job["tracking"]["uri"])
+    experiment = client.get_experiment_by_name(job["tracking"]["experiment"])
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = 'bench-ours-{index}'")
+    run_id = runs[0].info.run_id
+    history = sorted(client.get_metric_history(run_id, "perf/samples_per_s"), key=lambda m: m.step)
+    windows = [m.value for m in history]
+    return {"windows": windows, "steady": windows[args.warmup_windows:],
+            "launch_to_first_step_s": client.get_run(run_id).data.metrics.get("perf/time_to_first_step_s"),
+            "process_wall_s": wall}
+
+
+def plain_rank(rank: int, args, cfg: dict, launched_at: float, result_path: str, rendezvous: str) -> None:
+    """One rank of the plain DDP loop (a spawned process)."""
+    import json
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from orchestrator.data import build_datasets
+    from orchestrator.models import build_model
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.workers)
+    cfg = OmegaConf.create(cfg)
+    torch.manual_seed(cfg.run.seed + rank)
+    train_set, _ = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
+    sampler = DistributedSampler(train_set, num_replicas=args.workers, rank=rank, shuffle=True, seed=cfg.run.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=0)
+    model = DistributedDataParallel(build_model(cfg.model))
+    o = cfg.optim
+    optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    marks, first_step_s = [time.perf_counter()], None
+    sampler.set_epoch(0)
+    for step, (inputs, targets) in enumerate(loader, start=1):
+        if step > args.steps:
+            break
+        loss = F.cross_entropy(model(inputs).float(), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step == 1:
+            first_step_s = time.time() - launched_at
+        if step % args.log_every == 0:
+            marks.append(time.perf_counter())
+    if rank == 0:
+        samples = args.log_every * args.batch_size * args.workers
+        windows = [samples / (b - a) for a, b in zip(marks, marks[1:])]
+        Path(result_path).write_text(json.dumps({"windows": windows, "launch_to_first_step_s": first_step_s,
+                                                 "threads": torch.get_num_threads()}))
+    dist.destroy_process_group()
+
+
+def run_plain(args, cfg: dict, tmp: Path, index: int) -> dict:
+    import json
+
+    import torch.multiprocessing as mp
+
+    result_path = tmp / f"plain{index}.json"
+    rendezvous = tmp / f"plain{index}.rendezvous"  # a file, not a port: nothing to race other jobs for
+    started = time.perf_counter()
+    launched_at = time.time()
+    mp.spawn(plain_rank, args=(args, cfg, launched_at, str(result_path), str(rendezvous)), nprocs=args.workers, join=True)
+    result = json.loads(result_path.read_text())
+    result["steady"] = result["windows"][args.warmup_windows:]
+    result["process_wall_s"] = time.perf_counter() - started
+    return result
+
+
+def main(argv=None) -> int:
+    cli = common.parser(HARNESS, "our Ray Train worker loop vs a plain torch DDP loop: throughput and launch time")
+    cli.add_argument("--model", default="simple_cnn", help="registry name (resnet18 works, about 10x slower)")
+    cli.add_argument("--workers", type=int, default=2)
+    cli.add_argument("--batch-size", type=int, help="per rank (default 64; 16 with --smoke)")
+    cli.add_argument("--steps", type=int, help="optimizer steps per run (default 1000; 20 with --smoke)")
+    cli.add_argument("--log-every", type=int, help="steps per throughput window (default 50; 5 with --smoke)")
+    cli.add_argument("--warmup-windows", type=int, help="windows left out at the start (default 4; 1 with --smoke)")
+    cli.add_argument("--repeats", type=int, help="runs of each candidate, alternating (default 3; 1 with --smoke)")
+    cli.add_argument("--threads", type=int, default=1, help="torch threads per rank (Ray's default for a "
+                                                            "1-CPU worker is 1)")
+    cli.add_argument("--health-check-interval-s", type=float,
+                     help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for our run (default: Ray's, 2 s). The controller takes "
+                          "one report per worker per interval; ray.train.report blocks while the previous one waits")
+    cli.add_argument("--timeout", type=float, default=900, help="seconds one submit run may take")
+    args = cli.parse_args(argv)
+    args.batch_size = args.batch_size or (16 if args.smoke else 64)
+    args.steps = args.steps or (20 if args.smoke else 1000)
+    args.log_every = args.log_every or (5 if args.smoke else 50)
+    args.warmup_windows = args.warmup_windows if args.warmup_windows is not None else (1 if args.smoke else 4)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    if args.steps % args.log_every or args.steps // args.log_every <= args.warmup_windows:
+        print("error: --steps must be a multiple of --log-every with more windows than --warmup-windows",
+              file=sys.stderr)
+        return 2
+
+    from bench.policy import job_config
+    from omegaconf import OmegaConf
+
+    runs: dict[str, list[dict]] = {"plain": [], "ours": []}
+    with tempfile.TemporaryDirectory(prefix="ampflow-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        cfg = OmegaConf.to_container(job_config(job_dict(args, tmp)), resolve=True)
+        for index in range(args.repeats):
+            runs["plain"].append(run_plain(args, cfg, tmp, index))
+            runs["ours"].append(run_ours(args, tmp, index))
+            print(f"repeat {index + 1}/{args.repeats}: plain {common.median(runs['plain'][-1]['steady']):.1f} samples/s,"
+                  f" ours {common.median(runs['ours'][-1]['steady']):.1f} samples/s", flush=True)
+
+    per_run = {name: [common.median(r["steady"]) for r in results] for name, results in runs.items()}
+    throughput = {name: common.median(values) for name, values in per_run.items()}
+    launch = {name: common.median([r["launch_to_first_step_s"] for r in results]) for name, results in runs.items()}
+    wall = {name: common.median([r["process_wall_s"] for r in results]) for name, results in runs.items()}
+    print(f"bench.orchestration on cpu ({os.cpu_count()} cores): {args.model}, {args.workers} ranks x batch "
+          f"{args.batch_size}, fp32, {args.threads} torch thread(s) per rank, {args.steps} steps, windows of "
+          f"{args.log_every} steps (first {args.warmup_windows} left out), {args.repeats} run(s) each")
+    common.print_table(
+        ["candidate", "samples/s", "spread", "launch_to_first_step_s", "process_wall_s"],
+        [[name, throughput[name], f"{common.spread(per_run[name]) * 100:.1f}%", launch[name], wall[name]]
+         for name in ("plain", "ours")])
+    figures = {"ours_samples_per_s": throughput["ours"], "plain_samples_per_s": throughput["plain"],
+               "ours_samples_per_s_runs": per_run["ours"], "plain_samples_per_s_runs": per_run["plain"],
+               "ours_windows": [r["windows"] for r in runs["ours"]],
+               "plain_windows": [r["windows"] for r in runs["plain"]],
+               "launch_to_first_step_s": {"ours": launch["ours"], "plain": launch["plain"]},
+               "process_wall_s": wall, "plain_threads": runs["plain"][0]["threads"]}
+    common.finish(
+        HARNESS, device=common.device_description(torch.device("cpu")).replace(
+            f"torch threads {torch.get_num_threads()}", f"{os.cpu_count()} cores, {args.threads} torch thread(s) per rank"),
+        config={"model": args.model, "workers": args.workers, "batch_size_per_rank": args.batch_size,
+                "steps": args.steps, "log_every_n_steps": args.log_every, "warmup_windows": args.warmup_windows,
+                "repeats": args.repeats, "threads_per_rank": args.threads, "dtype": "float32 (O0)",
+                "ray_train_health_check_interval_s": args.health_check_interval_s or "Ray's default (2.0)",
+                "smoke": args.smoke},
+        figures=figures,
+        ratios={"orchestration_throughput": throughput["ours"] / throughput["plain"],
+                "launch_to_first_step": launch["ours"] / launch["plain"]},
+        targets={"orchestration_throughput": TARGET}, json_path=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

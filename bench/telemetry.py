@@ -1,0 +1,188 @@
+"""Per-step cost of our training telemetry vs a bare autocast + GradScaler step, and MLflow's cost apart.
+
+What is compared (one process, no Ray, fp16 autocast + dynamic loss scaling, preset O1, the same
+model, weights, batches and optimizer):
+
+- `full`: what a worker does per step apart from data loading and DDP: the worker's `train_step`
+  (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector and read
+  once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step overflows),
+  the loss `Window` (`add` every step), and every `--log-every` steps a report assembled the way
+  the worker assembles it (`guard.metrics()`, the drained overflow log, `Window.read()` with
+  `check_loss_window`). On Ray the report then goes to `ray.train.report`; here it goes to a list,
+  because what happens after is Ray's cost and MLflow's, not the loop's.
+- `none`: `torch.autocast` + `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`.
+
+Both make one host sync per step (GradScaler.step reads found-inf; GuardedScaler reads its flag
+vector instead), so the difference is the bookkeeping.
+
+MLflow is measured separately: in ampflow the workers never talk to MLflow. Reports travel to the
+driver, where `orchestrator.mlflow_writer.MlflowWriter` logs them from its own thread, off the
+training loop. The harness times that writer (`enqueue` + `_flush`, one `log_batch` per report)
+against a real local SQLite store, per report and amortised per training step. `--no-mlflow`
+skips that part (machines without mlflow/ray).
+"""
+
+import itertools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench import common
+from bench.policy import job_config
+
+HARNESS = "telemetry"
+TARGET = "<= 1.02"
+
+
+def time_mlflow_writer(reports: list[dict], repeats: int) -> dict[str, float]:
+    """Seconds per report for the driver's MlflowWriter against a real SQLite store in a temp dir."""
+    from orchestrator.mlflow_writer import MlflowWriter
+    from orchestrator.tracking import RunTracker, quick_http_failures
+
+    quick_http_failures()
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
+        cfg = job_config({"model": {"name": "simple_cnn"}, "data": {"name": "synthetic"},
+                          "tracking": {"experiment": "bench-telemetry"}})
+        tracker = RunTracker.start(uri, cfg, run_name="bench-telemetry", tags={}, params={}, config_yaml="")
+        writer = MlflowWriter(relay=None, tracker=tracker)  # no relay: the harness hands it reports directly
+        writer.enqueue({**reports[0], "step": 0}, [])  # the store's first write (tables, caches) untimed
+        writer._flush(force=True)
+        per_report = []
+        for step, report in enumerate(itertools.islice(itertools.cycle(reports), repeats), start=1):
+            started = time.perf_counter()
+            writer.enqueue({**report, "step": step}, [])
+            writer._flush(force=True)
+            per_report.append(time.perf_counter() - started)
+        tracker.finish("FINISHED")
+    return {"median_s": common.median(per_report), "spread": common.spread(per_report), "reports": len(per_report)}
+
+
+def main(argv=None) -> int:
+    cli = common.parser(HARNESS, "full training telemetry vs a bare autocast+GradScaler step; MLflow cost apart")
+    cli.add_argument("--device", default="cpu", help="cpu or cuda")
+    cli.add_argument("--model", help="registry name (default: simple_cnn on cpu, resnet18 on cuda)")
+    cli.add_argument("--batch-size", type=int, help="default 64 on cpu, 256 on cuda, 8 with --smoke")
+    cli.add_argument("--log-every", type=int, default=10, help="steps between reports (tracking.log_every_n_steps)")
+    cli.add_argument("--repeats", type=int, help="timed rounds per candidate (default 9; 2 with --smoke)")
+    cli.add_argument("--steps", type=int, help="steps per round, a multiple of --log-every (default 20 on cpu, "
+                                              "100 on cuda; 10 with --smoke)")
+    cli.add_argument("--warmup", type=int, help="untimed steps per candidate (default 40; 10 with --smoke)")
+    cli.add_argument("--no-mlflow", action="store_true", help="skip the MLflow writer measurement")
+    args = cli.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    gpu = device.type == "cuda"
+    model_name = args.model or ("resnet18" if gpu and not args.smoke else "simple_cnn")
+    batch = args.batch_size or (8 if args.smoke else 256 if gpu else 64)
+    repeats = args.repeats or (2 if args.smoke else 9)
+    steps = args.steps or (args.log_every if args.smoke else 100 if gpu else 20)
+    warmup = args.warmup or (10 if args.smoke else 40)
+
+    worker = common.worker_module()
+    from orchestrator.models import build_model
+    from orchestrator.precision import AmpSettings
+    from orchestrator.training import build_training
+
+    torch.manual_seed(0)
+    cfg = job_config({"model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},
+                      "run": {"batch_size": batch}})
+    amp = AmpSettings.from_config(cfg.precision)
+    training = build_training(cfg, device, total_steps=10**6, ddp=False)
+    window = worker.Window(device)
+    sink: list[dict] = []
+
+    bare_model = build_model(cfg.model)
+    bare_model.load_state_dict(training.prepared.fp32_state_dict())
+    bare_model.to(device)
+    o = cfg.optim
+    bare_opt = torch.optim.SGD(bare_model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    bare_scaler = torch.amp.GradScaler(device.type, init_scale=amp.init_scale, growth_factor=amp.growth_factor,
+                                       backoff_factor=amp.backoff_factor, growth_interval=amp.growth_interval)
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(batch, 3, 32, 32, generator=generator).to(device),
+                torch.randint(0, cfg.model.num_classes, (batch,), generator=generator).to(device)) for _ in range(4)]
+    full_batches, bare_batches = itertools.cycle(batches), itertools.cycle(batches)
+    global_step = 0
+
+    def full_step() -> None:
+        nonlocal global_step
+        inputs, targets = next(full_batches)
+        global_step += 1
+        loss, outcome = worker.train_step(training, inputs, targets, amp, device, global_step)
+        worker.close_audit(training, {})
+        training.ledger.take_table()
+        if not outcome.nan_loss:
+            window.add(loss, targets.numel())
+        if global_step % args.log_every == 0:  # the worker's periodic report, minus ray.train.report itself
+            metrics = window.read()
+            training.guard.check_loss_window(metrics["train/loss"], global_step)
+            sink.append({"step": global_step, **training.guard.metrics(),
+                         "amp/overflow_log": training.guard.drain_overflow_log(), **metrics})
+
+    def bare_step() -> None:
+        inputs, targets = next(bare_batches)
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = F.cross_entropy(bare_model(inputs).float(), targets)
+        bare_opt.zero_grad(set_to_none=True)
+        bare_scaler.scale(loss).backward()
+        bare_scaler.step(bare_opt)
+        bare_scaler.update()
+
+    times = common.interleaved({"full": full_step, "none": bare_step}, warmup=warmup, repeats=repeats, steps=steps,
+                               sync=common.synchronize(device))
+    med = {name: common.median(values) for name, values in times.items()}
+
+    # Overflow attribution only runs on a skipped step: time it apart, on a real gradient with one inf.
+    from orchestrator.precision.scaling import first_nonfinite
+
+    grads = [t.grad for _, t in training.named_tensors if t.grad is not None]
+    attribution_ms = float("nan")
+    if grads:
+        grads[0].view(-1)[0] = float("inf")
+        sync = common.synchronize(device)
+        sync()
+        started = time.perf_counter()
+        for _ in range(5):
+            first_nonfinite(training.named_tensors)
+        sync()
+        attribution_ms = (time.perf_counter() - started) / 5 * 1e3
+
+    print(f"bench.telemetry on {common.device_description(device)}: {model_name}, batch {batch}, O1 (fp16 + dynamic "
+          f"scale), report every {args.log_every} steps, {repeats} rounds x {steps} steps")
+    rows = [[name, med[name] * 1e3, batch / med[name], f"{common.spread(values) * 100:.1f}%"]
+            for name, values in times.items()]
+    common.print_table(["candidate", "ms/step", "samples/s", "spread"], rows)
+    figures = {"full_ms_per_step": med["full"] * 1e3, "none_ms_per_step": med["none"] * 1e3,
+               "overhead_ms_per_step": (med["full"] - med["none"]) * 1e3,
+               "full_ms_per_step_repeats": [t * 1e3 for t in times["full"]],
+               "none_ms_per_step_repeats": [t * 1e3 for t in times["none"]],
+               "overflow_attribution_ms": attribution_ms,
+               "skipped_steps_full": training.guard.counters.skipped_steps, "reports": len(sink)}
+    print(f"overflow attribution (skipped steps only): {attribution_ms:.3g} ms")
+    if not args.no_mlflow:
+        writer = time_mlflow_writer(sink or [{"train/loss": 0.0}], repeats=6 if args.smoke else 30)
+        figures.update({"mlflow_ms_per_report": writer["median_s"] * 1e3,
+                        "mlflow_ms_per_step_amortised": writer["median_s"] * 1e3 / args.log_every,
+                        "mlflow_reports_timed": writer["reports"], "mlflow_spread": writer["spread"]})
+        print(f"MLflow writer (driver thread, off the loop; local SQLite): {writer['median_s'] * 1e3:.3g} ms per "
+              f"report = {writer['median_s'] * 1e3 / args.log_every:.3g} ms per step amortised")
+    common.finish(
+        HARNESS, device=common.device_description(device),
+        config={"model": model_name, "batch_size": batch, "preset": "O1", "log_every_n_steps": args.log_every,
+                "warmup": warmup, "repeats": repeats, "steps_per_repeat": steps, "mlflow": not args.no_mlflow,
+                "smoke": args.smoke},
+        figures=figures, ratios={"telemetry_step_time": med["full"] / med["none"]},
+        targets={"telemetry_step_time": TARGET}, json_path=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

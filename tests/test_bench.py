@@ -1,0 +1,81 @@
+"""The benchmark harnesses run end to end and produce their ratios and JSON record.
+
+Each harness runs as a user runs it (`python -m bench.NAME --smoke --json PATH`, from the
+repository root). The figures of a smoke run mean nothing (tiny sizes, a shared CPU), so only
+their presence and finiteness are checked, never their values.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+RECORD_FIELDS = {"harness", "device", "torch", "config", "figures", "ratios", "targets", "command"}
+
+
+def run_harness(name: str, tmp_path, *extra: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke", "--json", str(out), *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"bench.{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done, json.loads(out.read_text())
+
+
+def check_record(done: subprocess.CompletedProcess, record: dict, harness: str, ratios: set[str]) -> None:
+    assert RECORD_FIELDS <= record.keys()
+    assert record["harness"] == harness
+    assert record["command"].startswith(f"python -m bench.{harness}")
+    assert ratios <= record["ratios"].keys()
+    for name, value in record["ratios"].items():
+        assert math.isfinite(value), f"ratio {name} is {value}"
+        assert f"ratio {name} = " in done.stdout
+    assert set(record["targets"]) <= set(record["ratios"])
+
+
+def test_policy_harness(tmp_path):
+    done, record = run_harness("policy", tmp_path)
+    check_record(done, record, "policy", {"policy_step_time"})
+    assert record["figures"]["same_logits"] is True  # the two candidates compute the same thing
+
+
+def test_telemetry_harness_with_mlflow(tmp_path):
+    done, record = run_harness("telemetry", tmp_path)
+    check_record(done, record, "telemetry", {"telemetry_step_time"})
+    assert math.isfinite(record["figures"]["mlflow_ms_per_report"])
+
+
+def test_telemetry_harness_without_mlflow(tmp_path):
+    done, record = run_harness("telemetry", tmp_path, "--no-mlflow")
+    check_record(done, record, "telemetry", {"telemetry_step_time"})
+    assert "mlflow_ms_per_report" not in record["figures"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path is for machines without CUDA")
+def test_gpu_amp_skips_cleanly_without_cuda(tmp_path):
+    out = tmp_path / "gpu_amp.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_amp", "--smoke", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skipped: no CUDA device" in done.stdout
+    assert json.loads(out.read_text())["skipped"] == "no CUDA device"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_amp_harness(tmp_path):
+    done, record = run_harness("gpu_amp", tmp_path)
+    check_record(done, record, "gpu_amp", {f"{d}_{kind}_{layout}" for d in ("fp16", "bf16")
+                                           for kind in ("speedup", "peak_memory")
+                                           for layout in ("nchw", "channels_last")})
+
+
+@pytest.mark.slow
+def test_orchestration_harness(tmp_path):
+    done, record = run_harness("orchestration", tmp_path, timeout=600)
+    check_record(done, record, "orchestration", {"orchestration_throughput"})
+    launch = record["figures"]["launch_to_first_step_s"]
+    assert math.isfinite(launch["ours"]) and math.isfinite(launch["plain"])
