@@ -5,6 +5,7 @@ MLflow reachable) and only then creates or reopens the MLflow run; `execute()` s
 Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
 """
 
+import os
 import re
 import signal
 import sys
@@ -23,6 +24,8 @@ from orchestrator.errors import BadInput
 from orchestrator.secrets import redact
 
 EXIT_OK, EXIT_FAILED = 0, 1
+HEALTH_CHECK_INTERVAL_S = 0.5
+"""How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
 
 
 @dataclass
@@ -108,6 +111,11 @@ def _init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bo
             return False, None
         return False, {"env_vars": {"PYTHONPATH": str(module_source.parent)}}
     runtime_env = {"py_modules": [str(module_source)]} if module_source else None
+    # Ray Train's controller takes a worker's report only once per health check (2 s by default) and a
+    # worker holds one untaken report at most: with reports more frequent than that, training waits
+    # (measured in bench.orchestration). A local Ray we start inherits this environment; on an existing
+    # cluster, set it on the cluster.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
     # Worker and controller logs stay in Ray's session directory; the console gets one progress line.
     ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="WARNING")
     return True, None

@@ -43,6 +43,12 @@ def test_policy_harness(tmp_path):
     assert record["figures"]["same_logits"] is True  # the two candidates compute the same thing
 
 
+def test_fast_paths_harness(tmp_path):
+    done, record = run_harness("fast_paths", tmp_path)
+    check_record(done, record, "fast_paths", {f"{name}_speedup" for name in
+                                              ("device_loader", "channels_last", "fused", "compile", "all")})
+
+
 def test_telemetry_harness_with_mlflow(tmp_path):
     done, record = run_harness("telemetry", tmp_path)
     check_record(done, record, "telemetry", {"telemetry_step_time"})
