@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     cli.add_argument("--threads", type=int, default=1, help="torch threads per rank (Ray's default for a "
                                                             "1-CPU worker is 1)")
     cli.add_argument("--health-check-interval-s", type=float,
-                     help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for our run (default: Ray's, 2 s). The controller takes "
+                     help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for our run (default: submit's, 0.5 s). The controller takes "
                           "one report per worker per interval; ray.train.report blocks while the previous one waits")
     cli.add_argument("--timeout", type=float, default=900, help="seconds one submit run may take")
     args = cli.parse_args(argv)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         config={"model": args.model, "workers": args.workers, "batch_size_per_rank": args.batch_size,
                 "steps": args.steps, "log_every_n_steps": args.log_every, "warmup_windows": args.warmup_windows,
                 "repeats": args.repeats, "threads_per_rank": args.threads, "dtype": "float32 (O0)",
-                "ray_train_health_check_interval_s": args.health_check_interval_s or "Ray's default (2.0)",
+                "ray_train_health_check_interval_s": args.health_check_interval_s or "submit's default (orchestrator.driver.HEALTH_CHECK_INTERVAL_S)",
                 "smoke": args.smoke},
         figures=figures,
         ratios={"orchestration_throughput": throughput["ours"] / throughput["plain"],
