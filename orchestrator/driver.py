@@ -139,7 +139,13 @@ def execute(plan: RunPlan) -> int:
               f"{redact(plan.uri)}", file=sys.stderr)
     launched_at = time.time()  # launch-to-first-step counts Ray's start too
     module_source = models.module_source(cfg.model.name)
-    started_ray, worker_runtime_env = _init_ray(plan.address, module_source)
+    try:
+        started_ray, worker_runtime_env = _init_ray(plan.address, module_source)
+    except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
+        _finish(plan.tracker, "FAILED", timeout_s=10)
+        print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
+              "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
+        return EXIT_FAILED
     previous_sigterm = _interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
     try:
         if plan.address:
