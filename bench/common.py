@@ -11,7 +11,6 @@ import platform
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -129,47 +128,3 @@ def finish(harness: str, *, device: str, config: dict[str, Any], figures: dict[s
 def write_json(path: str, record: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
-
-
-class _Absent(types.ModuleType):
-    """Stands in for a module that is not installed: any attribute is an inert placeholder class."""
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        value = type(attr, (), {"__module__": self.__name__})
-        setattr(self, attr, value)
-        return value
-
-
-_RAY_SIDE = ("ray", "ray.train", "ray.train.torch", "pyarrow", "pyarrow.fs")
-
-
-def worker_module() -> types.ModuleType:
-    """`orchestrator.worker`, for its `train_step`, `Window` and `close_audit`, even where Ray is absent.
-
-    worker.py imports Ray (and, through orchestrator.faults, pyarrow) at its top for `train_loop`;
-    the step function itself needs neither. On a machine without them (the GPU box) placeholder
-    modules stand in during the import only, so the harnesses time the real step code rather than a
-    copy of it. Anything in worker.py that really calls Ray would fail loudly on a placeholder.
-    """
-    try:
-        import orchestrator.worker as worker
-
-        return worker
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in ("ray", "pyarrow"):
-            raise
-    added = [name for name in _RAY_SIDE if name not in sys.modules]
-    for name in added:
-        sys.modules[name] = _Absent(name)
-    for name in added:
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, sys.modules[name])
-    try:
-        import orchestrator.worker as worker
-    finally:
-        for name in added:
-            del sys.modules[name]
-    return worker

@@ -39,7 +39,7 @@ def samples_per_s(overrides: list[str], *, device: torch.device, model: str, pre
     from orchestrator.precision import AmpSettings
     from orchestrator.training import build_training
 
-    worker = common.worker_module()
+    from orchestrator import step as loop  # the worker's step code; imports without Ray
     cfg = load_job_dict(load_job, {
         "model": {"name": model}, "data": {"name": "synthetic", "synthetic_samples": samples, "augment": False},
         "precision": {"preset": preset}, "scaling": {"num_workers": 1}, "run": {"batch_size": batch},
@@ -59,8 +59,8 @@ def samples_per_s(overrides: list[str], *, device: torch.device, model: str, pre
         position.set_position(epoch, 0, batch)
         for inputs, targets in loader:
             step += 1
-            worker.train_step(training, inputs, targets, amp, device, step)
-            worker.close_audit(training, {})
+            loop.train_step(training, inputs, targets, amp, device, step)
+            loop.close_audit(training, {})
             training.prepared.compile_when_audited()
             if step == warmup:
                 sync()

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     warmup = args.warmup or (2 if args.smoke else 3)
     globs = args.rules if args.rules is not None else DEFAULT_RULES.get(model_name, [])
 
-    worker = common.worker_module()
+    from orchestrator import step as loop  # the worker's step code; imports without Ray
     from orchestrator.models import build_model
     from orchestrator.precision import AmpSettings
     from orchestrator.training import build_training
@@ -126,15 +126,15 @@ def main(argv=None) -> int:
     same_logits = torch.equal(policy_logits, plain_logits)
     max_logit_diff = (policy_logits.float() - plain_logits.float()).abs().max().item()
     # That forward filled the policy's audit: close it as the worker does after its first step.
-    worker.close_audit(training, {})
+    loop.close_audit(training, {})
 
     policy_batches, plain_batches = itertools.cycle(batches), itertools.cycle(batches)
     step_number = itertools.count(1)
 
     def policy_step() -> None:
         inputs, targets = next(policy_batches)
-        worker.train_step(training, inputs, targets, amp, device, next(step_number))
-        worker.close_audit(training, {})
+        loop.train_step(training, inputs, targets, amp, device, next(step_number))
+        loop.close_audit(training, {})
         training.ledger.take_table()
 
     def plain_step() -> None:

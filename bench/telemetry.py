@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     steps = args.steps or (args.log_every if args.smoke else 100 if gpu else 20)
     warmup = args.warmup or (10 if args.smoke else 40)
 
-    worker = common.worker_module()
+    from orchestrator import step as loop  # the worker's step code; imports without Ray
     from orchestrator.models import build_model
     from orchestrator.precision import AmpSettings
     from orchestrator.training import build_training
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                       "run": {"batch_size": batch}})
     amp = AmpSettings.from_config(cfg.precision)
     training = build_training(cfg, device, total_steps=10**6, ddp=False)
-    window = worker.Window(device)
+    window = loop.Window(device)
     sink: list[dict] = []
 
     bare_model = build_model(cfg.model)
@@ -116,8 +116,8 @@ def main(argv=None) -> int:
         nonlocal global_step
         inputs, targets = next(full_batches)
         global_step += 1
-        loss, outcome = worker.train_step(training, inputs, targets, amp, device, global_step)
-        worker.close_audit(training, {})
+        loss, outcome = loop.train_step(training, inputs, targets, amp, device, global_step)
+        loop.close_audit(training, {})
         training.ledger.take_table()
         if not outcome.nan_loss:
             window.add(loss, targets.numel())

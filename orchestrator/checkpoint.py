@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import ray.train
 import torch
-from torch import nn
 
 STATE_FILE = "train_state.pt"
 

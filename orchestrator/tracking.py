@@ -73,7 +73,7 @@ class RunTracker:
     def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
               params: dict[str, str], config_yaml: str) -> "RunTracker":
         from mlflow import MlflowClient
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         client = MlflowClient(tracking_uri=uri)
         try:

@@ -1,187 +1,29 @@
 """The training loop every Ray Train worker runs, top to bottom.
 
 One rank of a DDP job: build data, then the model under its precision policy, optimizer and
-guarded GradScaler (`orchestrator.training`); train under autocast; report metrics every
-`tracking.log_every_n_steps` steps and at each epoch's end (with eval, memory and a checkpoint).
+guarded GradScaler (`orchestrator.training`); train under autocast (the step: `orchestrator.step`);
+report metrics every `tracking.log_every_n_steps` steps and at each epoch's end (with eval, memory and a checkpoint).
 The controller-side tracking callback turns reports into MLflow.
 """
 
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import ray.train
 import ray.train.torch
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from orchestrator import checkpoint as ckpt
-from orchestrator import precision, rng
+from orchestrator import rng
 from orchestrator.data import build_datasets, build_device_loaders, build_loaders
 from orchestrator.faults import Faults
-from orchestrator.memory import peak_bytes, peak_reserved_bytes
-from orchestrator.precision import AmpSettings, LossScaleCollapsed, StepOutcome, autocast_context
+from orchestrator.precision import AmpSettings
 from orchestrator.rng import seed_everything
-from orchestrator.training import PreparedModel, Training, build_training, detached_copy
-
-
-class PolicyNotHonoured(RuntimeError):
-    """A layer did not store or compute in the dtype its precision rule promised."""
-
-
-def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
-    """Reduce a few numbers over all ranks in one collective."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
-
-
-def per_rank(value: float, rank: int, world_size: int, device: torch.device) -> list[float]:
-    """Every rank's `value`, in rank order (one all-reduce of a one-hot vector)."""
-    values = [0.0] * world_size
-    values[rank] = value
-    return all_reduce(values, device)
-
-
-class Window:
-    """Training loss and throughput since the last report, kept on the device until read."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.samples = 0
-        self.started = time.perf_counter()
-
-    def exclude_since(self, since: float) -> None:
-        """Leave the time from `since` until now (reporting, evaluation, checkpointing) out of the throughput."""
-        if self.samples == 0:  # read just before: the window starts now
-            self.started = time.perf_counter()
-        else:
-            self.started += time.perf_counter() - since
-
-    def add(self, loss: torch.Tensor, batch_size: int) -> None:
-        self.loss_sum += loss.detach().double() * batch_size
-        self.samples += batch_size
-
-    def state(self) -> dict[str, float]:
-        """This rank's unreported loss sum and sample count (for a checkpoint)."""
-        return {"loss_sum": self.loss_sum.item(), "samples": self.samples}
-
-    def load_state(self, state: dict[str, float]) -> None:
-        self.loss_sum.fill_(state["loss_sum"])
-        self.samples = int(state["samples"])
-
-    def read(self) -> dict[str, float]:
-        """Global mean loss and samples/s over all ranks (one all-reduce), then reset."""
-        elapsed = time.perf_counter() - self.started
-        loss_sum, samples = all_reduce([self.loss_sum.item(), float(self.samples)], self.device)
-        metrics = {"train/loss": loss_sum / max(samples, 1.0), "perf/samples_per_s": samples / max(elapsed, 1e-9)}
-        self.reset()
-        return metrics
-
-
-def train_step(training: Training, inputs, targets, amp: AmpSettings, device: torch.device, step: int,
-               faults: Faults | None = None) -> tuple[torch.Tensor, StepOutcome]:
-    """One optimizer step under autocast; the guarded scaler steps or skips it the same on every rank."""
-    model, masters, ledger = training.prepared.model, training.prepared.masters, training.ledger
-    inputs, targets = training.prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
-    recording = ledger.probe.recording() if ledger.probe is not None else nullcontext()  # first step only
-    with autocast_context(amp, device.type), recording:
-        loss = F.cross_entropy(model(inputs).float(), targets)
-    if faults is not None:
-        loss = faults.loss(step, loss)
-    training.optimizer.zero_grad(set_to_none=True)
-    training.guard.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
-    ledger.record_backward()
-    if masters:
-        masters.grads_to_masters()  # the optimizer (and the unscale) works on fp32 copies
-    if faults is not None:
-        faults.gradients(step, training.named_tensors)
-    outcome = training.guard.step(training.optimizer, loss, step, training.named_tensors)
-    if outcome.stepped:
-        if masters:
-            masters.masters_to_params()
-        if not ledger.complete:
-            ledger.record_state(training.optimizer, masters)
-    return loss, outcome
-
-
-@torch.no_grad()
-def evaluate(prepared: PreparedModel, loader, amp: AmpSettings, device: torch.device) -> dict[str, float]:
-    """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
-    model = prepared.model
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    count = 0
-    for inputs, targets in loader:
-        inputs, targets = prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
-        with autocast_context(amp, device.type):
-            logits = model(inputs)
-        loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").double()
-        correct += (logits.argmax(dim=1) == targets).sum()
-        count += targets.numel()
-    model.train()
-    total_loss, total_correct, total = all_reduce([loss_sum.item(), float(correct.item()), float(count)], device)
-    return {"eval/loss": total_loss / max(total, 1.0), "eval/accuracy": total_correct / max(total, 1.0)}
-
-
-def close_audit(training: Training, into: dict[str, Any]) -> None:
-    """After the first forward pass under a (new) policy: what each layer really stored and computed in."""
-    audit = training.prepared.audit
-    if audit is None or not audit.outputs:
-        return
-    entries = audit.close()
-    training.prepared.audit = None
-    problems = precision.broken_promises(entries)
-    if problems:
-        raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
-    into["precision/audit"] = entries
-
-
-def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:
-    """`memory/peak_bytes` (max over ranks) and `memory/peak_bytes/rank<r>` (and CUDA reserved)."""
-    peaks = per_rank(float(peak_bytes(device)), rank, world_size, device)
-    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/peak_bytes/rank{r}": p for r, p in enumerate(peaks)}}
-    reserved = peak_reserved_bytes(device)
-    if reserved is not None:
-        reserved_peaks = per_rank(float(reserved), rank, world_size, device)
-        metrics.update({f"memory/peak_reserved_bytes/rank{r}": p for r, p in enumerate(reserved_peaks)})
-    return metrics
-
-
-def recover_from_collapse(training: Training, outcome: StepOutcome, step: int, on_collapse: str,
-                          last_good: dict[str, Any] | None, rebuild) -> tuple[Training, dict[str, str]]:
-    """Act on a collapsed loss scale (the same on every rank: the flags were agreed).
-
-    Returns the training to go on with and the run tags to set; raises for `abort`.
-    """
-    layers = training.guard.overflowing_layers()
-    message = f"loss scale collapsed at step {step}: {outcome.collapse}; overflowing layers: " \
-              f"{', '.join(layers) or 'none identified'}"
-    if on_collapse == "abort" or (on_collapse == "promote" and not layers):
-        raise LossScaleCollapsed(f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or set "
-                                 "precision.scaler.on_collapse: promote | rollback.")
-    tags = {}
-    if on_collapse == "promote":
-        state = training.capture()
-        state.pop("scaler")  # a fresh scale: the layers that overflowed are fp32 now
-        state["promoted"] = list(dict.fromkeys(training.promoted + layers))
-        tags["precision.promoted"] = ",".join(state["promoted"])
-    else:  # rollback: the last good weights, optimizer and scale; time (step, schedule) goes on
-        now = training.capture()
-        state = {**last_good, **{key: now[key] for key in ("scheduler", "counters", "promoted")}}
-    rebuilt = rebuild(state)
-    if training.guard.rank == 0:
-        rebuilt.guard.overflow_log.append({"step": step, "event": "collapse", "action": on_collapse,
-                                           "reason": outcome.collapse, "layers": layers})
-    return rebuilt, tags
+from orchestrator.step import (
+    Window, all_reduce, close_audit, evaluate, memory_peaks, recover_from_collapse, train_step,
+)
+from orchestrator.training import build_training, detached_copy
 
 
 def train_loop(config: dict[str, Any]) -> None:

@@ -24,7 +24,8 @@ def _train_a_few_steps(config):
     from orchestrator.faults import Faults
     from orchestrator.precision import AmpSettings
     from orchestrator.training import build_training
-    from orchestrator.worker import seed_everything, train_step
+    from orchestrator.rng import seed_everything
+    from orchestrator.step import train_step
 
     cfg = load_job(config["job_file"], [f"precision.preset={config['preset']}", "optim.name=adam", "optim.lr=0.001",
                                         *config.get("overrides", [])])

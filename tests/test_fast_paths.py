@@ -9,7 +9,7 @@ from orchestrator.config import load_job
 from orchestrator.data import build_datasets, build_device_loaders
 from orchestrator.precision import AmpSettings
 from orchestrator.training import build_training, ddp_kwargs, register_comm_hook
-from orchestrator.worker import close_audit, train_step
+from orchestrator.step import close_audit, train_step
 
 from conftest import REPO
 

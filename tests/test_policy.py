@@ -13,7 +13,7 @@ from orchestrator.optim import build_optimizer
 from orchestrator.precision import AmpSettings, broken_promises
 from orchestrator.precision.lint import lint
 from orchestrator.training import build_training
-from orchestrator.worker import train_step
+from orchestrator.step import train_step
 
 QUICKSTART = configs_dir().parent / "jobs" / "quickstart.yaml"
 
