@@ -10,7 +10,6 @@ import shlex
 import shutil
 import subprocess
 import tomllib
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate

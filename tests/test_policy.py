@@ -4,12 +4,10 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from orchestrator.config import load_job
 from orchestrator.config.loader import configs_dir
 from orchestrator.models import build_model
-from orchestrator.optim import build_optimizer
 from orchestrator.precision import AmpSettings, broken_promises
 from orchestrator.precision.lint import lint
 from orchestrator.training import build_training

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, small_job
+from conftest import small_job
 from test_submit_e2e import only_run
 
 pytestmark = pytest.mark.slow
