@@ -26,6 +26,21 @@ def parser(harness: str, description: str) -> argparse.ArgumentParser:
     return cli
 
 
+def with_device(cli: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--device cpu|cuda` (for harnesses that run in one process)."""
+    cli.add_argument("--device", default="cpu", help="cpu or cuda")
+    return cli
+
+
+def chosen_device(args: argparse.Namespace) -> Optional[torch.device]:
+    """The `--device` asked for; None (after saying why on stderr) when it is CUDA and torch sees none."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return None
+    return device
+
+
 def command_line(harness: str) -> str:
     return " ".join([f"python -m bench.{harness}", *sys.argv[1:]])
 

@@ -86,17 +86,15 @@ def load_job_dict(load_job, job: dict, overrides: list[str]):
 
 
 def main(argv=None) -> int:
-    cli = common.parser(HARNESS, "samples/s of the worker step with each fast-path switch")
-    cli.add_argument("--device", default="cpu", help="cpu or cuda")
+    cli = common.with_device(common.parser(HARNESS, "samples/s of the worker step with each fast-path switch"))
     cli.add_argument("--model", help="default resnet18 (simple_cnn with --smoke)")
     cli.add_argument("--preset", default="O1", help="precision preset (default O1: fp16 autocast + GradScaler)")
     cli.add_argument("--batch-size", type=int, help="default 512 on cuda, 32 on cpu, 8 with --smoke")
     cli.add_argument("--steps", type=int, help="timed steps (default 50 on cuda, 10 on cpu, 3 with --smoke)")
     cli.add_argument("--warmup", type=int, help="untimed steps first (default 15 on cuda, 3 on cpu, 2 with --smoke)")
     args = cli.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+    device = common.chosen_device(args)
+    if device is None:
         return 2
     gpu = device.type == "cuda"
     model = args.model or ("simple_cnn" if args.smoke else "resnet18")

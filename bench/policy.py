@@ -76,8 +76,7 @@ def pin_by_hand(model: nn.Module, globs: list[str], device_type: str) -> int:
 
 
 def main(argv=None) -> int:
-    cli = common.parser(HARNESS, "policy (per-layer rules) step time vs hand-written autocast")
-    cli.add_argument("--device", default="cpu", help="cpu or cuda")
+    cli = common.with_device(common.parser(HARNESS, "policy (per-layer rules) step time vs hand-written autocast"))
     cli.add_argument("--model", help="registry name (default: resnet18; simple_cnn with --smoke)")
     cli.add_argument("--batch-size", type=int, help="default 16 on cpu, 256 on cuda, 8 with --smoke")
     cli.add_argument("--rules", nargs="*", help="globs pinned to float32 (default per model)")
@@ -85,9 +84,8 @@ def main(argv=None) -> int:
     cli.add_argument("--steps", type=int, help="steps per round (default 3 on cpu, 20 on cuda; 2 with --smoke)")
     cli.add_argument("--warmup", type=int, help="untimed steps per candidate (default 3; 2 with --smoke)")
     args = cli.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+    device = common.chosen_device(args)
+    if device is None:
         return 2
     gpu = device.type == "cuda"
     model_name = args.model or ("simple_cnn" if args.smoke else "resnet18")

@@ -63,8 +63,7 @@ def time_mlflow_writer(reports: list[dict], repeats: int) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    cli = common.parser(HARNESS, "full training telemetry vs a bare autocast+GradScaler step; MLflow cost apart")
-    cli.add_argument("--device", default="cpu", help="cpu or cuda")
+    cli = common.with_device(common.parser(HARNESS, "full training telemetry vs a bare autocast+GradScaler step; MLflow cost apart"))
     cli.add_argument("--model", help="registry name (default: simple_cnn on cpu, resnet18 on cuda)")
     cli.add_argument("--batch-size", type=int, help="default 64 on cpu, 256 on cuda, 8 with --smoke")
     cli.add_argument("--log-every", type=int, default=10, help="steps between reports (tracking.log_every_n_steps)")
@@ -74,9 +73,8 @@ def main(argv=None) -> int:
     cli.add_argument("--warmup", type=int, help="untimed steps per candidate (default 40; 10 with --smoke)")
     cli.add_argument("--no-mlflow", action="store_true", help="skip the MLflow writer measurement")
     args = cli.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+    device = common.chosen_device(args)
+    if device is None:
         return 2
     gpu = device.type == "cuda"
     model_name = args.model or ("resnet18" if gpu and not args.smoke else "simple_cnn")

@@ -52,5 +52,33 @@ def small_job(**sections) -> dict:
     return job
 
 
+_MAIN_RUNNER = """
+import contextlib, importlib, io, json, os, sys
+import ray
+main = importlib.import_module(sys.argv[1]).main
+results = {}
+for name, argv in json.loads(sys.argv[2]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv)
+    results[name] = {"rc": rc, "stderr": err.getvalue(), "ray": ray.is_initialized(), "files": sorted(os.listdir("."))}
+print(json.dumps(results))
+"""
+
+
+def run_mains(module: str, argvs: dict[str, list[str]], workdir: Path) -> dict[str, dict]:
+    """Call `module.main(argv)` for each case in one fresh interpreter in `workdir` (startup is the slow part).
+
+    Per case: the exit code, stderr, whether Ray got started, and the files left in `workdir`.
+    """
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _MAIN_RUNNER, module, json.dumps(argvs)], cwd=workdir,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def python() -> str:
     return sys.executable

@@ -4,15 +4,10 @@ All cases run in one fresh interpreter (startup is the slow part), each through
 `orchestrator.submit.main`, exactly as the CLI calls it.
 """
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import yaml
 
-from conftest import REPO, small_job
+from conftest import run_mains, small_job
 
 CASES = {
     "unknown_key": (small_job(run={"epoch": 2}), [], "run.epochs"),
@@ -47,23 +42,6 @@ CASES = {
     "mlflow_unreachable": (small_job(tracking={"uri": "http://127.0.0.1:9"}), [], "cannot be reached"),
 }
 
-DRIVER = textwrap.dedent(
-    """
-    import contextlib, io, json, os, sys
-    import ray
-    from orchestrator.submit import main
-    results = {}
-    for name, argv in json.loads(sys.argv[1]).items():
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            rc = main(argv)
-        results[name] = {"rc": rc, "stderr": err.getvalue(), "ray": ray.is_initialized(),
-                         "files": sorted(os.listdir("."))}
-    print(json.dumps(results))
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("bad-input")
@@ -74,11 +52,7 @@ def outcomes(tmp_path_factory):
         if job is not None:
             path.write_text(job if isinstance(job, str) else yaml.safe_dump(job))
         argvs[name] = [str(path), *overrides, f"data.root={workdir / 'data'}"]
-    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=workdir,
-                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                           "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_mains("orchestrator.submit", argvs, workdir)
 
 
 @pytest.mark.parametrize("name", CASES)

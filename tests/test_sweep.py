@@ -5,10 +5,8 @@ logged; end to end, real Ray trains every preset and a real SQLite MLflow store 
 """
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -16,7 +14,7 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from conftest import REPO, small_job
+from conftest import REPO, run_mains, small_job
 from orchestrator.config import load_job
 from orchestrator.config.loader import available_presets, configs_dir
 from orchestrator.config.yamlsafe import load_yaml_mapping
@@ -58,23 +56,6 @@ CASES = {
                            ["cannot be reached"]),
 }
 
-DRIVER = textwrap.dedent(
-    """
-    import contextlib, io, json, os, sys
-    import ray
-    from orchestrator.sweep import main
-    results = {}
-    for name, argv in json.loads(sys.argv[1]).items():
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            rc = main(argv)
-        results[name] = {"rc": rc, "stderr": err.getvalue(), "ray": ray.is_initialized(),
-                         "files": sorted(os.listdir("."))}
-    print(json.dumps(results))
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     # All cases in one fresh interpreter (startup is the slow part), each through sweep.main like the CLI.
@@ -85,10 +66,7 @@ def outcomes(tmp_path_factory):
         path = workdir / "jobs" / f"{name}.yaml"
         path.write_text(yaml.safe_dump(job))
         argvs[name] = [str(path), *args]
-    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=workdir, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_mains("orchestrator.sweep", argvs, workdir)
 
 
 @pytest.mark.parametrize("name", CASES)
