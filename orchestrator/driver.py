@@ -96,7 +96,7 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bo
     return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id)
 
 
-def _init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bool, Optional[dict]]:
+def init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bool, Optional[dict]]:
     """Start (or connect to) Ray with worker logs kept off the console.
 
     Returns (whether we started it, the runtime env the workers need). A model module from the
@@ -140,13 +140,13 @@ def execute(plan: RunPlan) -> int:
     launched_at = time.time()  # launch-to-first-step counts Ray's start too
     module_source = models.module_source(cfg.model.name)
     try:
-        started_ray, worker_runtime_env = _init_ray(plan.address, module_source)
+        started_ray, worker_runtime_env = init_ray(plan.address, module_source)
     except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
         _finish(plan.tracker, "FAILED", timeout_s=10)
         print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
               "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
         return EXIT_FAILED
-    previous_sigterm = _interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
+    previous_sigterm = interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
     try:
         if plan.address:
             shortfall = check_cluster_capacity(cfg)
@@ -192,7 +192,7 @@ def execute(plan: RunPlan) -> int:
             ray.shutdown()
 
 
-def _interrupt_on_sigterm():
+def interrupt_on_sigterm():
     """`jobs stop` and Kubernetes end a job with SIGTERM: raise KeyboardInterrupt instead, so the MLflow
     run is closed KILLED rather than left RUNNING. Returns the previous handler (None off the main thread)."""
     if threading.current_thread() is not threading.main_thread():

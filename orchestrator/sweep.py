@@ -233,7 +233,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     import ray
     from mlflow import MlflowClient
 
-    from orchestrator.driver import _init_ray, _interrupt_on_sigterm
+    from orchestrator.driver import init_ray, interrupt_on_sigterm
     from orchestrator.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
     from orchestrator.tracking import view_hint
 
@@ -244,8 +244,8 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     try:
         # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
         # here as execute() would, so an import-path model is shipped as a job-level py_module.
-        started_ray, _ = _init_ray(plan.address, models.module_source(base.model.name))
-        previous_sigterm = _interrupt_on_sigterm()
+        started_ray, _ = init_ray(plan.address, models.module_source(base.model.name))
+        previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
         client = MlflowClient(tracking_uri=parent.uri)
         _ctrl_c_interrupts()

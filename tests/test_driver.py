@@ -17,7 +17,7 @@ def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(write_job, tm
     def no_cluster(address, module_source):
         raise ConnectionError(f"could not connect to {address}")
 
-    monkeypatch.setattr(driver, "_init_ray", no_cluster)
+    monkeypatch.setattr(driver, "init_ray", no_cluster)
     assert driver.execute(plan) == driver.EXIT_FAILED
     run = MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id)
     assert run.info.status == "FAILED"
