@@ -258,6 +258,16 @@ def test_every_ray_pod_reports_to_the_mlflow_service(overlay):
             assert env_of(container).get("MLFLOW_TRACKING_URI") == uri, f"{where} {container['name']}"
 
 
+def test_every_ray_pod_polls_reports_as_often_as_a_local_submit(overlay):
+    from orchestrator.driver import HEALTH_CHECK_INTERVAL_S
+
+    _, objects = overlay
+    for where, pod_spec in ray_pod_specs(objects):
+        for container in pod_spec["containers"]:
+            interval = env_of(container).get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+            assert interval is not None and float(interval) == HEALTH_CHECK_INTERVAL_S, f"{where} {container['name']}"
+
+
 def test_every_container_has_requests_and_limits_and_runs_unprivileged_as_non_root(overlay):
     name, objects = overlay
     for where, container, pod in all_containers(objects):
