@@ -10,9 +10,10 @@ import math
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -143,3 +144,15 @@ def finish(harness: str, *, device: str, config: dict[str, Any], figures: dict[s
 def write_json(path: str, record: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def job_config(job: dict, overrides: Sequence[str] = ()):
+    """A job dict (plus `key=value` overrides) resolved through the loader `submit` uses: presets, schema, checks."""
+    import yaml
+
+    from orchestrator.config import load_job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.yaml"
+        path.write_text(yaml.safe_dump(job, sort_keys=False))
+        return load_job(path, overrides, base_dir=Path(tmp))

@@ -34,13 +34,12 @@ SWITCHES = {
 
 def samples_per_s(overrides: list[str], *, device: torch.device, model: str, preset: str, batch: int,
                   samples: int, warmup: int, steps: int, compile_backend: str) -> float:
-    from orchestrator.config import load_job
     from orchestrator.data import build_datasets, build_device_loaders, build_loaders
     from orchestrator.precision import AmpSettings
     from orchestrator.training import build_training
 
     from orchestrator import step as loop  # the worker's step code; imports without Ray
-    cfg = load_job_dict(load_job, {
+    cfg = common.job_config({
         "model": {"name": model}, "data": {"name": "synthetic", "synthetic_samples": samples, "augment": False},
         "precision": {"preset": preset}, "scaling": {"num_workers": 1}, "run": {"batch_size": batch},
     }, overrides + [f"perf.compile_backend={compile_backend}"])
@@ -71,18 +70,6 @@ def samples_per_s(overrides: list[str], *, device: torch.device, model: str, pre
                     sync()
                     return timed / (time.perf_counter() - started)
         epoch += 1
-
-
-def load_job_dict(load_job, job: dict, overrides: list[str]):
-    import tempfile
-    from pathlib import Path
-
-    import yaml
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "fast_paths.yaml"
-        path.write_text(yaml.safe_dump(job))
-        return load_job(path, overrides)
 
 
 def main(argv=None) -> int:

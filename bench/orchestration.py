@@ -168,13 +168,12 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    from bench.policy import job_config
     from omegaconf import OmegaConf
 
     runs: dict[str, list[dict]] = {"plain": [], "ours": []}
     with tempfile.TemporaryDirectory(prefix="ampflow-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        cfg = OmegaConf.to_container(job_config(job_dict(args, tmp)), resolve=True)
+        cfg = OmegaConf.to_container(common.job_config(job_dict(args, tmp)), resolve=True)
         for index in range(args.repeats):
             runs["plain"].append(run_plain(args, cfg, tmp, index))
             runs["ours"].append(run_ours(args, tmp, index))

@@ -22,8 +22,6 @@ region, and the step's bookkeeping (GuardedScaler counters, MemoryLedger after i
 import fnmatch
 import itertools
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,18 +32,6 @@ from bench import common
 HARNESS = "policy"
 TARGET = "<= 1.03"
 DEFAULT_RULES = {"resnet18": ["BatchNorm*", "fc"], "simple_cnn": ["classifier.3"]}
-
-
-def job_config(job: dict):
-    """A job dict resolved through the same loader `submit` uses (presets, schema, validation)."""
-    import yaml
-
-    from orchestrator.config import load_job
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "bench.yaml"
-        path.write_text(yaml.safe_dump(job, sort_keys=False))
-        return load_job(path, base_dir=Path(tmp))
 
 
 class Float32(nn.Module):
@@ -101,7 +87,7 @@ def main(argv=None) -> int:
     from orchestrator.training import build_training
 
     torch.manual_seed(0)
-    cfg = job_config({"model": {"name": model_name}, "data": {"name": "synthetic"},
+    cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"},
                       "precision": {"preset": "bf16-mixed", "rules": [{"match": g, "dtype": "float32"} for g in globs]},
                       "run": {"batch_size": batch}})
     amp = AmpSettings.from_config(cfg.precision)

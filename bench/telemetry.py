@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from bench import common
-from bench.policy import job_config
 
 HARNESS = "telemetry"
 TARGET = "<= 1.02"
@@ -46,7 +45,7 @@ def time_mlflow_writer(reports: list[dict], repeats: int) -> dict[str, float]:
     quick_http_failures()
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
-        cfg = job_config({"model": {"name": "simple_cnn"}, "data": {"name": "synthetic"},
+        cfg = common.job_config({"model": {"name": "simple_cnn"}, "data": {"name": "synthetic"},
                           "tracking": {"experiment": "bench-telemetry"}})
         tracker = RunTracker.start(uri, cfg, run_name="bench-telemetry", tags={}, params={}, config_yaml="")
         writer = MlflowWriter(relay=None, tracker=tracker)  # no relay: the harness hands it reports directly
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
     from orchestrator.training import build_training
 
     torch.manual_seed(0)
-    cfg = job_config({"model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},
+    cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},
                       "run": {"batch_size": batch}})
     amp = AmpSettings.from_config(cfg.precision)
     training = build_training(cfg, device, total_steps=10**6, ddp=False)
