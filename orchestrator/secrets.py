@@ -18,23 +18,35 @@ MASK = "***"
 
 def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     environ = os.environ if environ is None else environ
-    values = {value for name, value in environ.items() if SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH}
+    # Other threads change os.environ while we read it (MLflow's telemetry sets and removes a variable of
+    # its own): take the names at once, then skip any that vanished before its value was read.
+    found = ((name, environ.get(name)) for name in list(environ))
+    values = {value for name, value in found
+              if value is not None and SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH}
     return sorted(values, key=len, reverse=True)  # longest first: a secret containing another is masked whole
 
 
 def redact(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
-    text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
-    for value in secret_values(environ):
-        text = text.replace(value, MASK)
-    return text
+    return _masked(text, secret_values(environ))
 
 
 def redact_all(value: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
     """`redact` applied to every string inside dicts, lists and tuples (keys included)."""
+    return _masked_all(value, secret_values(environ))
+
+
+def _masked(text: str, secrets: list[str]) -> str:
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    for value in secrets:
+        text = text.replace(value, MASK)
+    return text
+
+
+def _masked_all(value: Any, secrets: list[str]) -> Any:
     if isinstance(value, str):
-        return redact(value, environ)
+        return _masked(value, secrets)
     if isinstance(value, dict):
-        return {redact_all(k, environ): redact_all(v, environ) for k, v in value.items()}
+        return {_masked_all(k, secrets): _masked_all(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(redact_all(v, environ) for v in value)
+        return type(value)(_masked_all(v, secrets) for v in value)
     return value
