@@ -1,6 +1,7 @@
 """One rank's training step and what surrounds it, without Ray.
 
-`train_step` (autocast forward, scaled backward, the guarded optimizer step), `evaluate` (loss and
+`train_step` (autocast forward, scaled backward, the guarded optimizer step), `after_step` (its
+bookkeeping), `evaluate` (loss and
 accuracy reduced over all ranks), the loss/throughput `Window`, the first step's precision audit,
 memory peaks and what a collapsed loss scale does. `orchestrator.worker.train_loop` drives them
 under Ray Train; benchmarks and tests call them directly, also where Ray is not installed.
@@ -106,6 +107,21 @@ def train_step(training: Training, inputs, targets, amp: AmpSettings, device: to
         if not ledger.complete:
             ledger.record_state(training.optimizer, masters)
     return loss, outcome
+
+
+def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, batch_size: int, window: "Window",
+               pending: dict[str, Any]) -> None:
+    """The bookkeeping after every step: the first step's audit and memory table (into `pending`, the next
+    report), compilation once audited (`perf.compile`), the LR schedule and the loss window."""
+    close_audit(training, pending)
+    training.prepared.compile_when_audited()  # from the second step of a (re)built model
+    table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
+    if table is not None:
+        pending.update({"memory/breakdown": table, **training.ledger.metrics()})
+    if training.scheduler is not None:
+        training.scheduler.step()
+    if not outcome.nan_loss:
+        window.add(loss, batch_size)
 
 
 @torch.no_grad()

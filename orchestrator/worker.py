@@ -21,7 +21,7 @@ from orchestrator.faults import Faults
 from orchestrator.precision import AmpSettings
 from orchestrator.rng import seed_everything
 from orchestrator.step import (
-    Window, all_reduce, close_audit, evaluate, memory_peaks, recover_from_collapse, train_step,
+    Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, recover_from_collapse, train_step,
 )
 from orchestrator.training import build_training, detached_copy
 
@@ -119,15 +119,7 @@ def train_loop(config: dict[str, Any]) -> None:
             loss, outcome = train_step(training, inputs, targets, amp, device, global_step, faults)
             if global_step == 1 and config.get("launched_at") is not None:  # a fresh run's first step (not a restart)
                 pending["perf/time_to_first_step_s"] = time.time() - config["launched_at"]
-            close_audit(training, pending)
-            training.prepared.compile_when_audited()  # perf.compile: from the second step of a (re)built model
-            table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
-            if table is not None:
-                pending.update({"memory/breakdown": table, **training.ledger.metrics()})
-            if training.scheduler is not None:
-                training.scheduler.step()
-            if not outcome.nan_loss:
-                window.add(loss, targets.numel())
+            after_step(training, loss, outcome, targets.numel(), window, pending)  # audit, schedule, loss window
             if outcome.collapse is not None:
                 training, tags = recover_from_collapse(training, outcome, global_step, on_collapse, last_good,
                                                        lambda new: build_training(cfg, device, state=new, **build))
