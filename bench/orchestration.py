@@ -13,12 +13,16 @@ optimizer, number of steps, and torch threads per rank):
   DistributedDataParallel, DistributedSampler + DataLoader, `zero_grad / backward / step`. Rank 0
   takes a timestamp every `log_every` steps, so its windows are the same steps as ours; launch time
   runs from the spawn call to the end of the first step on rank 0.
+- `loop`: the same spawned harness running our per-step code without Ray: our loaders,
+  `build_training` and the calls `train_loop` makes each step. It splits the gap in two:
+  `loop_throughput` (loop / plain) is what our step code costs, `runtime_throughput` (ours / loop)
+  what Ray Train (its processes, reporting, the worker thread) costs.
 
-The first `--warmup-windows` windows are left out of both; each run's figure is the median of its
-remaining windows, and the candidates run alternately (plain, ours, plain, ours, ...), median over
+The first `--warmup-windows` windows are left out of all; each run's figure is the median of its
+remaining windows, and the candidates run alternately (plain, loop, ours, plain, ...), median over
 the repeats. Threads: a Ray Train worker with its default 1 CPU gets OMP_NUM_THREADS=1 from Ray
-(torch then uses 1 thread); the plain ranks call torch.set_num_threads with the same number, and
-the submit subprocess gets OMP_NUM_THREADS set to it so the two can never differ.
+(torch then uses 1 thread); the spawned ranks call torch.set_num_threads with the same number, and
+the submit subprocess gets OMP_NUM_THREADS set to it so they can never differ.
 """
 
 import os
@@ -34,6 +38,7 @@ from bench import common
 
 HARNESS = "orchestration"
 TARGET = ">= 0.97"
+CANDIDATES = ("plain", "loop", "ours")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -82,38 +87,31 @@ def run_ours(args, tmp: Path, index: int) -> dict:
             "process_wall_s": wall}
 
 
-def plain_rank(rank: int, args, cfg: dict, launched_at: float, result_path: str, rendezvous: str) -> None:
-    """One rank of the plain DDP loop (a spawned process)."""
+def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float, result_path: str,
+                 rendezvous: str) -> None:
+    """One rank of `plain` or `loop` (a process of torch.multiprocessing.spawn); rank 0 writes the windows."""
     import json
 
     import torch.distributed as dist
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from orchestrator.data import build_datasets
-    from orchestrator.models import build_model
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.workers)
     cfg = OmegaConf.create(cfg)
     torch.manual_seed(cfg.run.seed + rank)
-    train_set, _ = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
-    sampler = DistributedSampler(train_set, num_replicas=args.workers, rank=rank, shuffle=True, seed=cfg.run.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=0)
-    model = DistributedDataParallel(build_model(cfg.model))
-    o = cfg.optim
-    optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
+    wrap = (lambda model, **kwargs: DistributedDataParallel(model, **kwargs)) if args.workers > 1 else \
+        (lambda model, **kwargs: model)  # as ray.train.torch.prepare_model: no DDP wrapper around a single rank
+    build = plain_step if candidate == "plain" else loop_step
+    loader, step_fn = build(cfg, rank, args, train_set, eval_set, wrap)
     marks, first_step_s = [time.perf_counter()], None
-    sampler.set_epoch(0)
     for step, (inputs, targets) in enumerate(loader, start=1):
         if step > args.steps:
             break
-        loss = F.cross_entropy(model(inputs).float(), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        step_fn(step, inputs, targets)
         if step == 1:
             first_step_s = time.time() - launched_at
         if step % args.log_every == 0:
@@ -126,16 +124,66 @@ def plain_rank(rank: int, args, cfg: dict, launched_at: float, result_path: str,
     dist.destroy_process_group()
 
 
-def run_plain(args, cfg: dict, tmp: Path, index: int) -> dict:
+def plain_step(cfg, rank: int, args, train_set, eval_set, wrap):
+    """A hand-written loop: DistributedSampler + DataLoader, DDP, `zero_grad / backward / step`."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from orchestrator.models import build_model
+
+    sampler = DistributedSampler(train_set, num_replicas=args.workers, rank=rank, shuffle=True, seed=cfg.run.seed)
+    sampler.set_epoch(0)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=0)
+    model = wrap(build_model(cfg.model))
+    o = cfg.optim
+    optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+    def step(index: int, inputs, targets) -> None:
+        loss = F.cross_entropy(model(inputs).float(), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return loader, step
+
+
+def loop_step(cfg, rank: int, args, train_set, eval_set, wrap):
+    """Our worker loop's per-step work without Ray: the loaders, `build_training` and the calls `train_loop`
+    makes each step (`train_step`, `after_step`, the loss window read every `log_every` steps)."""
+    from orchestrator.data import build_loaders
+    from orchestrator.precision import AmpSettings
+    from orchestrator.step import Window, after_step, train_step
+    from orchestrator.training import build_training, ddp_kwargs, register_comm_hook
+
+    device = torch.device("cpu")
+    loader, _, position = build_loaders(train_set, eval_set, batch_size=args.batch_size, rank=rank,
+                                        world_size=args.workers, seed=cfg.run.seed, loader_workers=0, pin_memory=False)
+    position.set_position(0, 0, args.batch_size)
+    training = build_training(cfg, device, rank=rank, world_size=args.workers, total_steps=args.steps, ddp=False)
+    training.prepared.model = wrap(training.prepared.model, **ddp_kwargs(cfg.ddp))
+    register_comm_hook(training.prepared.model, cfg.ddp.comm_hook)
+    amp, window, pending = AmpSettings.from_config(cfg.precision), Window(device), {}
+
+    def step(index: int, inputs, targets) -> None:
+        loss, outcome = train_step(training, inputs, targets, amp, device, index)
+        after_step(training, loss, outcome, targets.numel(), window, pending)
+        if index % args.log_every == 0:
+            window.read()
+
+    return loader, step
+
+
+def run_spawned(candidate: str, args, cfg: dict, tmp: Path, index: int) -> dict:
     import json
 
     import torch.multiprocessing as mp
 
-    result_path = tmp / f"plain{index}.json"
-    rendezvous = tmp / f"plain{index}.rendezvous"  # a file, not a port: nothing to race other jobs for
+    result_path = tmp / f"{candidate}{index}.json"
+    rendezvous = tmp / f"{candidate}{index}.rendezvous"  # a file, not a port: nothing to race other jobs for
     started = time.perf_counter()
     launched_at = time.time()
-    mp.spawn(plain_rank, args=(args, cfg, launched_at, str(result_path), str(rendezvous)), nprocs=args.workers, join=True)
+    mp.spawn(spawned_rank, args=(candidate, args, cfg, launched_at, str(result_path), str(rendezvous)),
+             nprocs=args.workers, join=True)
     result = json.loads(result_path.read_text())
     result["steady"] = result["windows"][args.warmup_windows:]
     result["process_wall_s"] = time.perf_counter() - started
@@ -170,15 +218,16 @@ def main(argv=None) -> int:
 
     from omegaconf import OmegaConf
 
-    runs: dict[str, list[dict]] = {"plain": [], "ours": []}
+    runs: dict[str, list[dict]] = {name: [] for name in CANDIDATES}
     with tempfile.TemporaryDirectory(prefix="ampflow-bench-") as tmp_name:
         tmp = Path(tmp_name)
         cfg = OmegaConf.to_container(common.job_config(job_dict(args, tmp)), resolve=True)
         for index in range(args.repeats):
-            runs["plain"].append(run_plain(args, cfg, tmp, index))
+            runs["plain"].append(run_spawned("plain", args, cfg, tmp, index))
+            runs["loop"].append(run_spawned("loop", args, cfg, tmp, index))
             runs["ours"].append(run_ours(args, tmp, index))
-            print(f"repeat {index + 1}/{args.repeats}: plain {common.median(runs['plain'][-1]['steady']):.1f} samples/s,"
-                  f" ours {common.median(runs['ours'][-1]['steady']):.1f} samples/s", flush=True)
+            print(f"repeat {index + 1}/{args.repeats}: " + ", ".join(
+                f"{name} {common.median(runs[name][-1]['steady']):.1f} samples/s" for name in CANDIDATES), flush=True)
 
     per_run = {name: [common.median(r["steady"]) for r in results] for name, results in runs.items()}
     throughput = {name: common.median(values) for name, values in per_run.items()}
@@ -190,13 +239,11 @@ def main(argv=None) -> int:
     common.print_table(
         ["candidate", "samples/s", "spread", "launch_to_first_step_s", "process_wall_s"],
         [[name, throughput[name], f"{common.spread(per_run[name]) * 100:.1f}%", launch[name], wall[name]]
-         for name in ("plain", "ours")])
-    figures = {"ours_samples_per_s": throughput["ours"], "plain_samples_per_s": throughput["plain"],
-               "ours_samples_per_s_runs": per_run["ours"], "plain_samples_per_s_runs": per_run["plain"],
-               "ours_windows": [r["windows"] for r in runs["ours"]],
-               "plain_windows": [r["windows"] for r in runs["plain"]],
-               "launch_to_first_step_s": {"ours": launch["ours"], "plain": launch["plain"]},
-               "process_wall_s": wall, "plain_threads": runs["plain"][0]["threads"]}
+         for name in CANDIDATES])
+    figures = {**{f"{name}_samples_per_s": throughput[name] for name in CANDIDATES},
+               **{f"{name}_samples_per_s_runs": per_run[name] for name in CANDIDATES},
+               **{f"{name}_windows": [r["windows"] for r in runs[name]] for name in CANDIDATES},
+               "launch_to_first_step_s": launch, "process_wall_s": wall, "plain_threads": runs["plain"][0]["threads"]}
     common.finish(
         HARNESS, device=common.device_description(torch.device("cpu")).replace(
             f"torch threads {torch.get_num_threads()}", f"{os.cpu_count()} cores, {args.threads} torch thread(s) per rank"),
@@ -207,6 +254,8 @@ def main(argv=None) -> int:
                 "smoke": args.smoke},
         figures=figures,
         ratios={"orchestration_throughput": throughput["ours"] / throughput["plain"],
+                "loop_throughput": throughput["loop"] / throughput["plain"],
+                "runtime_throughput": throughput["ours"] / throughput["loop"],
                 "launch_to_first_step": launch["ours"] / launch["plain"]},
         targets={"orchestration_throughput": TARGET}, json_path=args.json)
     return 0
