@@ -103,8 +103,8 @@ def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float,
     cfg = OmegaConf.create(cfg)
     torch.manual_seed(cfg.run.seed + rank)
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
-    wrap = (lambda model, **kwargs: DistributedDataParallel(model, **kwargs)) if args.workers > 1 else \
-        (lambda model, **kwargs: model)  # as ray.train.torch.prepare_model: no DDP wrapper around a single rank
+    # As ray.train.torch.prepare_model: no DDP wrapper around a single rank.
+    wrap = DistributedDataParallel if args.workers > 1 else (lambda model, **kwargs: model)
     build = plain_step if candidate == "plain" else loop_step
     loader, step_fn = build(cfg, rank, args, train_set, eval_set, wrap)
     marks, first_step_s = [time.perf_counter()], None
