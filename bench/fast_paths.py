@@ -34,11 +34,11 @@ SWITCHES = {
 
 def samples_per_s(overrides: list[str], *, device: torch.device, model: str, preset: str, batch: int,
                   samples: int, warmup: int, steps: int, compile_backend: str) -> float:
-    from orchestrator.data import build_datasets, build_device_loaders, build_loaders
+    from orchestrator.train.data import build_datasets, build_device_loaders, build_loaders
     from orchestrator.precision import AmpSettings
-    from orchestrator.training import build_training
+    from orchestrator.train.training import build_training
 
-    from orchestrator import step as loop  # the worker's step code; imports without Ray
+    from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     cfg = common.job_config({
         "model": {"name": model}, "data": {"name": "synthetic", "synthetic_samples": samples, "augment": False},
         "precision": {"preset": preset}, "scaling": {"num_workers": 1}, "run": {"batch_size": batch},

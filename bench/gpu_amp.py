@@ -1,7 +1,7 @@
 """What mixed precision buys on a GPU: ResNet-18 training steps in fp32, fp16 and bf16.
 
 Candidates (CUDA only; CIFAR-shaped synthetic data kept on the GPU, 10 classes, batch 512, the
-`resnet18` of orchestrator.models adapted to 32x32, SGD with momentum, the same initial weights):
+`resnet18` of orchestrator.train.models adapted to 32x32, SGD with momentum, the same initial weights):
 
 - `fp32`: no autocast, with TF32 OFF (`torch.backends.cuda.matmul.allow_tf32 = False`,
   `torch.backends.cudnn.allow_tf32 = False`), so the baseline is true fp32 arithmetic;
@@ -20,7 +20,7 @@ Ratios, per channels_last setting (suffix `_nchw` or `_channels_last`): `fp16_sp
 `bf16_speedup` (samples/s vs fp32 of the same layout; target >= 2.5) and `fp16_peak_memory`,
 `bf16_peak_memory` (peak bytes vs fp32 of the same layout; target <= 0.6).
 
-Imports only torch, torchvision (through orchestrator.models), the standard library and
+Imports only torch, torchvision (through orchestrator.train.models), the standard library and
 bench.common, so it runs where Ray and MLflow are not installed. Without CUDA it prints
 `skipped: no CUDA device` and exits 0.
 """
@@ -43,7 +43,7 @@ class Candidate:
     """One (dtype, layout) set-up: its own model and optimizer, stepping on the shared batches."""
 
     def __init__(self, dtype_name: str, channels_last: bool, weights: dict, batches: list, device: torch.device):
-        from orchestrator.models import resnet18
+        from orchestrator.train.models import resnet18
 
         self.dtype = DTYPES[dtype_name]
         self.format = torch.channels_last if channels_last else torch.contiguous_format
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True
 
-    from orchestrator.models import resnet18
+    from orchestrator.train.models import resnet18
 
     torch.manual_seed(0)
     weights = resnet18(num_classes=10).state_dict()

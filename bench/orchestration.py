@@ -96,7 +96,7 @@ def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float,
     from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel
 
-    from orchestrator.data import build_datasets
+    from orchestrator.train.data import build_datasets
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.workers)
@@ -129,7 +129,7 @@ def plain_step(cfg, rank: int, args, train_set, eval_set, wrap):
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from orchestrator.models import build_model
+    from orchestrator.train.models import build_model
 
     sampler = DistributedSampler(train_set, num_replicas=args.workers, rank=rank, shuffle=True, seed=cfg.run.seed)
     sampler.set_epoch(0)
@@ -150,10 +150,10 @@ def plain_step(cfg, rank: int, args, train_set, eval_set, wrap):
 def loop_step(cfg, rank: int, args, train_set, eval_set, wrap):
     """Our worker loop's per-step work without Ray: the loaders, `build_training` and the calls `train_loop`
     makes each step (`train_step`, `after_step`, the loss window read every `log_every` steps)."""
-    from orchestrator.data import build_loaders
+    from orchestrator.train.data import build_loaders
     from orchestrator.precision import AmpSettings
-    from orchestrator.step import Window, after_step, train_step
-    from orchestrator.training import build_training, ddp_kwargs, register_comm_hook
+    from orchestrator.train.step import Window, after_step, train_step
+    from orchestrator.train.training import build_training, ddp_kwargs, register_comm_hook
 
     device = torch.device("cpu")
     loader, _, position = build_loaders(train_set, eval_set, batch_size=args.batch_size, rank=rank,
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         config={"model": args.model, "workers": args.workers, "batch_size_per_rank": args.batch_size,
                 "steps": args.steps, "log_every_n_steps": args.log_every, "warmup_windows": args.warmup_windows,
                 "repeats": args.repeats, "threads_per_rank": args.threads, "dtype": "float32 (O0)",
-                "ray_train_health_check_interval_s": args.health_check_interval_s or "submit's default (orchestrator.driver.HEALTH_CHECK_INTERVAL_S)",
+                "ray_train_health_check_interval_s": args.health_check_interval_s or "submit's default (orchestrator.run.driver.HEALTH_CHECK_INTERVAL_S)",
                 "smoke": args.smoke},
         figures=figures,
         ratios={"orchestration_throughput": throughput["ours"] / throughput["plain"],

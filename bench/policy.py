@@ -2,7 +2,7 @@
 
 What is compared (one process, no Ray, the same device, weights, batches and optimizer):
 
-- `policy`: the model built by `orchestrator.training.build_training(..., ddp=False)` under the
+- `policy`: the model built by `orchestrator.train.training.build_training(..., ddp=False)` under the
   bf16-mixed preset plus rules that pin layers to float32 (default for resnet18: every BatchNorm
   and the classifier `fc`), stepped by the worker's own `train_step` (plus the per-step
   `close_audit` / `ledger.take_table` calls the worker loop makes, which are no-ops after step 1).
@@ -81,10 +81,10 @@ def main(argv=None) -> int:
     warmup = args.warmup or (2 if args.smoke else 3)
     globs = args.rules if args.rules is not None else DEFAULT_RULES.get(model_name, [])
 
-    from orchestrator import step as loop  # the worker's step code; imports without Ray
-    from orchestrator.models import build_model
+    from orchestrator.train import step as loop  # the worker's step code; imports without Ray
+    from orchestrator.train.models import build_model
     from orchestrator.precision import AmpSettings
-    from orchestrator.training import build_training
+    from orchestrator.train.training import build_training
 
     torch.manual_seed(0)
     cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"},

@@ -16,7 +16,7 @@ Both make one host sync per step (GradScaler.step reads found-inf; GuardedScaler
 vector instead), so the difference is the bookkeeping.
 
 MLflow is measured separately: in ampflow the workers never talk to MLflow. Reports travel to the
-driver, where `orchestrator.mlflow_writer.MlflowWriter` logs them from its own thread, off the
+driver, where `orchestrator.tracking.writer.MlflowWriter` logs them from its own thread, off the
 training loop. The harness times that writer (`enqueue` + `_flush`, one `log_batch` per report)
 against a real local SQLite store, per report and amortised per training step. `--no-mlflow`
 skips that part (machines without mlflow/ray).
@@ -39,8 +39,8 @@ TARGET = "<= 1.02"
 
 def time_mlflow_writer(reports: list[dict], repeats: int) -> dict[str, float]:
     """Seconds per report for the driver's MlflowWriter against a real SQLite store in a temp dir."""
-    from orchestrator.mlflow_writer import MlflowWriter
-    from orchestrator.tracking import RunTracker, quick_http_failures
+    from orchestrator.tracking.writer import MlflowWriter
+    from orchestrator.tracking.tracker import RunTracker, quick_http_failures
 
     quick_http_failures()
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,10 +82,10 @@ def main(argv=None) -> int:
     steps = args.steps or (args.log_every if args.smoke else 100 if gpu else 20)
     warmup = args.warmup or (10 if args.smoke else 40)
 
-    from orchestrator import step as loop  # the worker's step code; imports without Ray
-    from orchestrator.models import build_model
+    from orchestrator.train import step as loop  # the worker's step code; imports without Ray
+    from orchestrator.train.models import build_model
     from orchestrator.precision import AmpSettings
-    from orchestrator.training import build_training
+    from orchestrator.train.training import build_training
 
     torch.manual_seed(0)
     cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},

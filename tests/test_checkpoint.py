@@ -9,8 +9,8 @@ import pytest
 import ray.train
 import torch
 
-from orchestrator import rng
-from orchestrator.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
+from orchestrator.train import rng
+from orchestrator.train.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
                                      manifest_file, rank_file, read_checkpoint, staged_checkpoint,
                                      write_checkpoint_files)
 

@@ -72,7 +72,7 @@ def test_resources_per_worker_accepts_any_resource(write_job):
         (small_job(model={"name": "no_such_net"}), [], ["model.name", "no_such_net", "simple_cnn"]),
         (small_job(data={"name": "imagenet"}), [], ["data.name", "imagenet", "digits"]),
         (small_job(model={"name": "no_such_module_xyz:Net"}), [], ["model.name", "no_such_module_xyz"]),
-        (small_job(model={"name": "orchestrator.models:NoSuchNet"}), [], ["model.name", "NoSuchNet"]),
+        (small_job(model={"name": "orchestrator.train.models:NoSuchNet"}), [], ["model.name", "NoSuchNet"]),
         (small_job(scaling={"num_workers": 0}), [], ["scaling.num_workers", ">= 1"]),
         (small_job(run={"batch_size": 0}), [], ["run.batch_size", ">= 1"]),
         (small_job(optim={"lr": float("nan")}), [], ["optim.lr", "finite"]),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from orchestrator.config.schema import DataSection, ModelSection
-from orchestrator.data import ShardSampler, build_datasets, build_loaders, ensure_available
+from orchestrator.train.data import ShardSampler, build_datasets, build_loaders, ensure_available
 from orchestrator.errors import BadInput, DataUnavailable
-from orchestrator.models import build_model
+from orchestrator.train.models import build_model
 
 
 def test_digits_are_real_3x32x32_with_a_fixed_stratified_split():
@@ -88,7 +88,7 @@ def test_model_kwargs_that_do_not_fit_are_bad_input():
 @pytest.mark.parametrize("total_steps", [1, 2, 3, 4, 5, 8, 1000])
 def test_onecycle_schedule_runs_for_any_number_of_steps(total_steps):
     from orchestrator.config.schema import OptimSection
-    from orchestrator.optim import build_scheduler
+    from orchestrator.train.optim import build_scheduler
 
     param = torch.nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([param], lr=0.1)

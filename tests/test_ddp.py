@@ -20,12 +20,12 @@ def _train_a_few_steps(config):
     import ray.train.torch
 
     from orchestrator.config import load_job
-    from orchestrator.data import build_datasets, build_loaders
-    from orchestrator.faults import Faults
+    from orchestrator.train.data import build_datasets, build_loaders
+    from orchestrator.train.faults import Faults
     from orchestrator.precision import AmpSettings
-    from orchestrator.training import build_training
-    from orchestrator.rng import seed_everything
-    from orchestrator.step import train_step
+    from orchestrator.train.training import build_training
+    from orchestrator.train.rng import seed_everything
+    from orchestrator.train.step import train_step
 
     cfg = load_job(config["job_file"], [f"precision.preset={config['preset']}", "optim.name=adam", "optim.lr=0.001",
                                         *config.get("overrides", [])])

@@ -8,7 +8,7 @@ import torch
 from torchvision import datasets
 
 from orchestrator.config.schema import DataSection
-from orchestrator.data import (
+from orchestrator.train.data import (
     CIFAR_MEAN, CIFAR_STD, DeviceLoader, build_datasets, build_device_loaders, build_loaders, random_crop_flip,
 )
 

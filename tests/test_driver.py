@@ -2,7 +2,7 @@
 
 from mlflow import MlflowClient
 
-from orchestrator import driver
+from orchestrator.run import driver
 from orchestrator.config import load_job
 
 from conftest import small_job

@@ -6,10 +6,10 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator.config import load_job
-from orchestrator.data import build_datasets, build_device_loaders
+from orchestrator.train.data import build_datasets, build_device_loaders
 from orchestrator.precision import AmpSettings
-from orchestrator.training import build_training, ddp_kwargs, register_comm_hook
-from orchestrator.step import close_audit, train_step
+from orchestrator.train.training import build_training, ddp_kwargs, register_comm_hook
+from orchestrator.train.step import close_audit, train_step
 
 from conftest import REPO
 

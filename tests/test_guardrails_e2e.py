@@ -16,7 +16,7 @@ SIMPLE_CNN_PARAMS = 268_650
 
 
 def submit(tmp_path, monkeypatch, write_job, mlflow_uri, experiment, **sections) -> int:
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     monkeypatch.chdir(tmp_path)
     sections["tracking"] = {"uri": mlflow_uri, "experiment": experiment, "log_every_n_steps": 1,

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from orchestrator.memory import bytes_by_dtype
-from orchestrator.summary import main as summary_main
-from orchestrator.summary import summarize
+from orchestrator.train.memory import bytes_by_dtype
+from orchestrator.cli.summary import main as summary_main
+from orchestrator.cli.summary import summarize
 
 TOY_PARAMS = 9_223_901  # three_conv: Conv2d 3->300->500->1000 (k3), Linear 3,364,000 -> 1
 

@@ -7,11 +7,11 @@ import torch
 
 from orchestrator.config import load_job
 from orchestrator.config.loader import configs_dir
-from orchestrator.models import build_model
+from orchestrator.train.models import build_model
 from orchestrator.precision import AmpSettings, broken_promises
 from orchestrator.precision.lint import lint
-from orchestrator.training import build_training
-from orchestrator.step import train_step
+from orchestrator.train.training import build_training
+from orchestrator.train.step import train_step
 
 QUICKSTART = configs_dir().parent / "jobs" / "quickstart.yaml"
 

@@ -17,7 +17,7 @@ PRESETS = ["O0", "O1", "O2", "O3", "bf16-mixed", "bf16-true"]
 
 
 def submit(write_job, job: dict, *overrides) -> int:
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     return main([str(write_job(job)), *overrides])
 
@@ -65,7 +65,7 @@ def test_lint_error_stops_before_ray_and_names_the_fix(tmp_path, monkeypatch, wr
 
 def test_export_on_digits_keeps_accuracy_within_half_a_point(ray_session, tmp_path, monkeypatch, write_job,
                                                              mlflow_uri, capsys):
-    from orchestrator.export import main as export_main
+    from orchestrator.cli.export import main as export_main
 
     monkeypatch.chdir(tmp_path)
     job = small_job(precision={"preset": "O0"}, optim={"schedule": "onecycle", "lr": 0.05},
@@ -93,10 +93,10 @@ def test_export_on_digits_keeps_accuracy_within_half_a_point(ray_session, tmp_pa
 def test_export_refuses_past_the_allowed_drop_and_logs_no_model(tmp_path, mlflow_uri):
     from orchestrator.config import flatten, load_job, to_yaml
     from orchestrator.config.loader import configs_dir
-    from orchestrator.data import build_datasets
-    from orchestrator.export import ExportRefused, export
-    from orchestrator.models import build_model
-    from orchestrator.tracking import RunTracker
+    from orchestrator.train.data import build_datasets
+    from orchestrator.cli.export import ExportRefused, export
+    from orchestrator.train.models import build_model
+    from orchestrator.tracking.tracker import RunTracker
 
     cfg = load_job(configs_dir().parent / "jobs" / "quickstart.yaml", ["precision.preset=O0"])
     train, _ = build_datasets(cfg.data, 10)

@@ -54,8 +54,8 @@ def test_without_the_clusters_token_nothing_is_submitted_and_the_error_says_how_
 
 
 def test_the_entrypoint_survives_the_job_servers_shell_and_addresses_pick_the_path(monkeypatch, capsys):
-    from orchestrator.remote import entrypoint, is_job_server_address
-    from orchestrator.submit import main
+    from orchestrator.run.remote import entrypoint, is_job_server_address
+    from orchestrator.cli.submit import main
 
     overrides = ["run.name=my run; rm -rf /", "tracking.experiment=it's"]
     command = entrypoint("jobs/quickstart.yaml", overrides)
@@ -73,7 +73,7 @@ BAD_INPUT_DRIVER = textwrap.dedent(
     """
     import contextlib, io, json, sys
     from ray.job_submission import JobSubmissionClient
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
     address, cases = sys.argv[1], json.loads(sys.argv[2])
     jobs_before = len(JobSubmissionClient(address).list_jobs())
     results = {}
@@ -134,7 +134,7 @@ def test_a_job_failing_on_the_cluster_exits_1_with_its_error_in_the_logs(head):
 JOBS_DRIVER = textwrap.dedent(
     """
     import contextlib, io, json, sys, time
-    from orchestrator.jobs import main
+    from orchestrator.cli.jobs import main
     address, job_id = sys.argv[1], sys.argv[2]
 
     def run(*argv):

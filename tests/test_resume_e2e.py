@@ -60,7 +60,7 @@ def each_step_once(client, run_id, key) -> list[int]:
 
 def test_killed_worker_resumes_at_its_checkpoint_bit_identical_and_logs_each_step_once(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri):
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     monkeypatch.chdir(tmp_path)
     job = write_job(EXACT_JOB)
@@ -96,7 +96,7 @@ def _kill_tree_of(process: subprocess.Popen, ray_temp_dir: str) -> None:
 
 def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_checkpoint(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 4, "max_steps_per_epoch": 6},
                               tracking={"uri": mlflow_uri, "experiment": "driver", "log_every_n_steps": 1},

@@ -2,7 +2,7 @@
 
 from collections.abc import Mapping
 
-from orchestrator.secrets import MASK, redact, redact_all, secret_values
+from orchestrator.tracking.secrets import MASK, redact, redact_all, secret_values
 
 
 class VanishingEnviron(Mapping):

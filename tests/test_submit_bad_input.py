@@ -1,7 +1,7 @@
 """Bad input exits 2 before anything starts: no Ray, no MLflow run, no files.
 
 All cases run in one fresh interpreter (startup is the slow part), each through
-`orchestrator.submit.main`, exactly as the CLI calls it.
+`orchestrator.cli.submit.main`, exactly as the CLI calls it.
 """
 
 import pytest
@@ -52,7 +52,7 @@ def outcomes(tmp_path_factory):
         if job is not None:
             path.write_text(job if isinstance(job, str) else yaml.safe_dump(job))
         argvs[name] = [str(path), *overrides, f"data.root={workdir / 'data'}"]
-    return run_mains("orchestrator.submit", argvs, workdir)
+    return run_mains("orchestrator.cli.submit", argvs, workdir)
 
 
 @pytest.mark.parametrize("name", CASES)

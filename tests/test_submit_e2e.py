@@ -1,4 +1,4 @@
-"""End to end through `orchestrator.submit`: real Ray workers, a real MLflow store."""
+"""End to end through `orchestrator.cli.submit`: real Ray workers, a real MLflow store."""
 
 import os
 import subprocess
@@ -85,7 +85,7 @@ class {name}(nn.Module):
 
 
 def _submit_in(tmp_path, monkeypatch, capsys, write_job, module: str, job: dict):
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     (tmp_path / f"{module}.py").write_text(job.pop("_source"))
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""`orchestrator.sweep`: one child run per precision preset under one parent run, and the comparison.
+"""`orchestrator.cli.sweep`: one child run per precision preset under one parent run, and the comparison.
 
 Bad input is refused before anything starts; the comparison is computed from what the child runs
 logged; end to end, real Ray trains every preset and a real SQLite MLflow store holds the runs.
@@ -18,7 +18,7 @@ from conftest import REPO, run_mains, small_job
 from orchestrator.config import load_job
 from orchestrator.config.loader import available_presets, configs_dir
 from orchestrator.config.yamlsafe import load_yaml_mapping
-from orchestrator.sweep_report import ROW_KEYS, add_baseline_ratios, child_row, markdown_table, verdict
+from orchestrator.cli.sweep_report import ROW_KEYS, add_baseline_ratios, child_row, markdown_table, verdict
 
 # -- the config each child gets ---------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def outcomes(tmp_path_factory):
         path = workdir / "jobs" / f"{name}.yaml"
         path.write_text(yaml.safe_dump(job))
         argvs[name] = [str(path), *args]
-    return run_mains("orchestrator.sweep", argvs, workdir)
+    return run_mains("orchestrator.cli.sweep", argvs, workdir)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -82,7 +82,7 @@ def test_bad_input_exits_2_says_what_and_starts_nothing(outcomes, name):
 
 
 def test_job_precision_keys_that_keep_the_presets_are_announced(write_job, capsys):
-    from orchestrator.sweep import parse_args, validate
+    from orchestrator.cli.sweep import parse_args, validate
 
     job = write_job(small_job(precision={"preset": "O1", "init_scale": 1024.0}))
     plan = validate(parse_args([str(job), "--presets", "O0,bf16-true"]))
@@ -93,7 +93,7 @@ def test_job_precision_keys_that_keep_the_presets_are_announced(write_job, capsy
 
 
 def test_lightning_names_are_accepted_and_children_run_the_canonical_preset(write_job):
-    from orchestrator.sweep import parse_args, validate
+    from orchestrator.cli.sweep import parse_args, validate
 
     plan = validate(parse_args([str(write_job(small_job())), "--presets", "32-true, bf16", "run.name=mine"]))
     assert list(plan.configs) == ["O0", "bf16-mixed"] and plan.name == "mine-sweep"

@@ -27,7 +27,7 @@ def server(tmp_path_factory):
 
 
 def submit_in_background(tmp_path, monkeypatch, write_job, *overrides):
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     monkeypatch.chdir(tmp_path)
     result = {}
@@ -84,7 +84,7 @@ def test_server_stopped_mid_run_and_restarted_training_goes_on_and_metrics_are_c
 
 def test_mlflow_down_at_start_is_a_clear_error_unless_not_required(ray_session, tmp_path, monkeypatch, write_job,
                                                                    capsys):
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     monkeypatch.chdir(tmp_path)
     down = MlflowServer(tmp_path / "late")  # nothing listens on its port yet
@@ -114,7 +114,7 @@ def test_mlflow_down_at_start_is_a_clear_error_unless_not_required(ray_session, 
 
 
 def test_secrets_from_the_environment_never_reach_the_run(ray_session, tmp_path, monkeypatch, write_job, server):
-    from orchestrator.submit import main
+    from orchestrator.cli.submit import main
 
     token, password = f"tok-{secrets.token_hex(12)}", f"pw-{secrets.token_hex(12)}"
     monkeypatch.setenv("AMPFLOW_TEST_API_TOKEN", token)

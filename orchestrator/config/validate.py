@@ -4,7 +4,7 @@ import math
 
 from omegaconf import DictConfig
 
-from orchestrator import data, models
+from orchestrator.train import data, models
 from orchestrator.errors import BadInput
 from orchestrator.precision.amp import AmpSettings
 from orchestrator.precision.policy import Policy

@@ -1,9 +1,9 @@
 """One MLflow run per job, handled by the driver only.
 
 The driver creates (or, with --resume, reopens) the run with params, tags and the resolved
-YAML, `orchestrator.mlflow_writer` logs what the workers report, and the driver closes the run
+YAML, `orchestrator.tracking.writer` logs what the workers report, and the driver closes the run
 FINISHED, FAILED or KILLED. Workers never talk to MLflow, so a restarted worker group cannot
-create a second run. Everything logged is redacted (`orchestrator.secrets`).
+create a second run. Everything logged is redacted (`orchestrator.tracking.secrets`).
 """
 
 import logging
@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
-from orchestrator.secrets import redact, redact_all
+from orchestrator.tracking.secrets import redact, redact_all
 
 logger = logging.getLogger("ampflow.tracking")
 
@@ -189,7 +189,7 @@ class RunTracker:
 
     def log_plots(self, policy: Optional[str]) -> None:
         """The loss-scale and memory plots (best effort: a plot never fails a run)."""
-        from orchestrator.plots import log_run_plots
+        from orchestrator.tracking.plots import log_run_plots
 
         try:
             log_run_plots(self.client, self.run_id, policy)

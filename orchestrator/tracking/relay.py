@@ -2,7 +2,7 @@
 
 `RelayCallback` runs on the controller and only forwards (a non-blocking actor call), so a slow
 or unreachable MLflow can never hold up training; the driver drains the relay and does all MLflow
-I/O (`orchestrator.mlflow_writer`). Workers never talk to MLflow, and a restarted worker group
+I/O (`orchestrator.tracking.writer`). Workers never talk to MLflow, and a restarted worker group
 reports into the same relay, hence the same run.
 """
 

@@ -18,10 +18,10 @@ from typing import Optional
 import numpy as np
 from omegaconf import DictConfig
 
-from orchestrator import models
+from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import BadInput
-from orchestrator.secrets import redact
+from orchestrator.tracking.secrets import redact
 
 EXIT_OK, EXIT_FAILED = 0, 1
 HEALTH_CHECK_INTERVAL_S = 0.5
@@ -47,7 +47,7 @@ def default_run_name(job_path: Path) -> str:
 
 
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
-    from orchestrator.tracking import RunTracker, git_commit
+    from orchestrator.tracking.tracker import RunTracker, git_commit
 
     tags = {"preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
             "world_size": str(cfg.scaling.num_workers), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
@@ -65,10 +65,10 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bo
              parent_run_id: Optional[str] = None) -> RunPlan:
     """Which run, and its MLflow run; BadInput (exit 2) before anything is created when it cannot be.
 
-    `parent_run_id`: create the MLflow run as a child of that run (`orchestrator.sweep`).
+    `parent_run_id`: create the MLflow run as a child of that run (`orchestrator.cli.sweep`).
     """
-    from orchestrator import resume as records
-    from orchestrator.tracking import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
+    from orchestrator.run import records as records
+    from orchestrator.tracking.tracker import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
 
     quick_http_failures()
     uri = resolve_uri(cfg.tracking.uri, Path.cwd())
@@ -126,11 +126,11 @@ def execute(plan: RunPlan) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from orchestrator import resume as records
-    from orchestrator.launch import build_trainer, check_cluster_capacity
-    from orchestrator.mlflow_writer import MlflowWriter
-    from orchestrator.progress import ConsoleProgress
-    from orchestrator.relay import RelayCallback, ReportRelay
+    from orchestrator.run import records as records
+    from orchestrator.run.launch import build_trainer, check_cluster_capacity
+    from orchestrator.tracking.writer import MlflowWriter
+    from orchestrator.tracking.progress import ConsoleProgress
+    from orchestrator.tracking.relay import RelayCallback, ReportRelay
 
     cfg, storage = plan.cfg, plan.cfg.checkpoint.storage_path
     if plan.tracker is not None:
@@ -233,7 +233,7 @@ def summarize_failure(exc: BaseException) -> str:
 
 def _finish(tracker, status: str, timeout_s: float) -> None:
     """Set the run's terminal status, retrying while MLflow is flaky; never leaves it RUNNING if MLflow answers."""
-    from orchestrator.mlflow_writer import retry
+    from orchestrator.tracking.writer import retry
 
     if tracker is None:
         return
@@ -245,7 +245,7 @@ def _finish(tracker, status: str, timeout_s: float) -> None:
 
 
 def _failed(plan: RunPlan, tracker, failure) -> int:
-    from orchestrator import resume as records
+    from orchestrator.run import records as records
 
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
@@ -260,8 +260,8 @@ def _failed(plan: RunPlan, tracker, failure) -> int:
 
 
 def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> int:
-    from orchestrator import resume as records
-    from orchestrator.tracking import view_hint
+    from orchestrator.run import records as records
+    from orchestrator.tracking.tracker import view_hint
 
     cfg = plan.cfg
     records.write_record(cfg.checkpoint.storage_path, plan.run_name, status="FINISHED")
@@ -295,7 +295,7 @@ def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> 
 
 
 def _trained_model(cfg: DictConfig, checkpoint):
-    from orchestrator.checkpoint import load_model_weights
+    from orchestrator.train.checkpoint import load_model_weights
 
     model = models.build_model(cfg.model)
     model.load_state_dict(load_model_weights(checkpoint))
@@ -303,7 +303,7 @@ def _trained_model(cfg: DictConfig, checkpoint):
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
-    from orchestrator.export import ExportRefused, export
+    from orchestrator.cli.export import ExportRefused, export
 
     try:
         result = export(_trained_model(cfg, checkpoint), cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)

@@ -3,7 +3,7 @@
 import json
 from typing import Optional
 
-from orchestrator.memory import CATEGORIES
+from orchestrator.train.memory import CATEGORIES
 
 
 def _pyplot():

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from orchestrator.relay import OVERFLOW_LOG
-from orchestrator.secrets import redact_all
+from orchestrator.tracking.relay import OVERFLOW_LOG
+from orchestrator.tracking.secrets import redact_all
 
 logger = logging.getLogger("ampflow.tracking")
 

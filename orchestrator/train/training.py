@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator import precision
-from orchestrator.memory import MemoryLedger, param_bytes_by_dtype
-from orchestrator.models import build_model
-from orchestrator.optim import build_optimizer, build_scheduler
+from orchestrator.train.memory import MemoryLedger, param_bytes_by_dtype
+from orchestrator.train.models import build_model
+from orchestrator.train.optim import build_optimizer, build_scheduler
 from orchestrator.precision import AmpSettings, GuardedScaler, MasterWeights
 from orchestrator.precision.masters import fp32_state_dict
 

@@ -3,7 +3,7 @@
 `train_step` (autocast forward, scaled backward, the guarded optimizer step), `after_step` (its
 bookkeeping), `evaluate` (loss and
 accuracy reduced over all ranks), the loss/throughput `Window`, the first step's precision audit,
-memory peaks and what a collapsed loss scale does. `orchestrator.worker.train_loop` drives them
+memory peaks and what a collapsed loss scale does. `orchestrator.run.worker.train_loop` drives them
 under Ray Train; benchmarks and tests call them directly, also where Ray is not installed.
 """
 
@@ -16,12 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from orchestrator import precision
-from orchestrator.memory import peak_bytes, peak_reserved_bytes
+from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
 from orchestrator.precision import AmpSettings, LossScaleCollapsed, StepOutcome, autocast_context
-from orchestrator.training import PreparedModel, Training
+from orchestrator.train.training import PreparedModel, Training
 
 if TYPE_CHECKING:
-    from orchestrator.faults import Faults
+    from orchestrator.train.faults import Faults
 
 
 class PolicyNotHonoured(RuntimeError):

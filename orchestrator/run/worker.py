@@ -1,7 +1,7 @@
 """The training loop every Ray Train worker runs, top to bottom.
 
 One rank of a DDP job: build data, then the model under its precision policy, optimizer and
-guarded GradScaler (`orchestrator.training`); train under autocast (the step: `orchestrator.step`);
+guarded GradScaler (`orchestrator.train.training`); train under autocast (the step: `orchestrator.train.step`);
 report metrics every `tracking.log_every_n_steps` steps and at each epoch's end (with eval, memory and a checkpoint).
 The controller-side tracking callback turns reports into MLflow.
 """
@@ -14,16 +14,16 @@ import ray.train.torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from orchestrator import checkpoint as ckpt
-from orchestrator import rng
-from orchestrator.data import build_datasets, build_device_loaders, build_loaders
-from orchestrator.faults import Faults
+from orchestrator.train import checkpoint as ckpt
+from orchestrator.train import rng
+from orchestrator.train.data import build_datasets, build_device_loaders, build_loaders
+from orchestrator.train.faults import Faults
 from orchestrator.precision import AmpSettings
-from orchestrator.rng import seed_everything
-from orchestrator.step import (
+from orchestrator.train.rng import seed_everything
+from orchestrator.train.step import (
     Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, recover_from_collapse, train_step,
 )
-from orchestrator.training import build_training, detached_copy
+from orchestrator.train.training import build_training, detached_copy
 
 
 def train_loop(config: dict[str, Any]) -> None:

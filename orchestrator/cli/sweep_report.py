@@ -116,7 +116,7 @@ def verdict(rows: list[dict[str, Any]], max_accuracy_drop: float) -> str:
 
 def comparison_figure(rows: list[dict[str, Any]]):
     """Bars of samples/s and of peak memory per preset, final accuracy written above the throughput bars."""
-    from orchestrator.plots import _pyplot
+    from orchestrator.tracking.plots import _pyplot
 
     plt = _pyplot()
     presets = [row["preset"] for row in rows]

@@ -1,0 +1,96 @@
+"""`python -m orchestrator.submit JOB [key=value ...] [--resume]`: train a job on Ray, tracked in MLflow.
+
+Exit codes: 0 success; 2 bad input (nothing started or submitted, no MLflow run; also MLflow
+unreachable when `tracking.required`); 1 training failed (the worker's exception first, the
+MLflow run marked FAILED). The run itself is driven by `orchestrator.run.driver`.
+
+With `--address http(s)://HEAD:8265` the job is validated here and run on that cluster
+(`orchestrator.run.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+from orchestrator.train import data, faults, models
+
+from orchestrator.run import remote
+from orchestrator.config import load_job, to_yaml
+from orchestrator.errors import BadInput
+from orchestrator.tracking.secrets import redact
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.submit",
+        description="Train a job file on Ray Train workers and track it in one MLflow run.",
+    )
+    parser.add_argument("job", help="job YAML file, e.g. jobs/cifar.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.epochs=2")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                        help="an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray on this machine); "
+                             "an http(s):// dashboard address submits the job there through the Job Submission API")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="with an http(s):// --address: print the submitted job's id and exit")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue this job's newest interrupted run from its last checkpoint, in the same MLflow run")
+    # Intermixed: overrides may come after options (`JOB --address URL run.epochs=2`), as users type them.
+    return parser.parse_intermixed_args(argv)
+
+
+def check_precision(cfg: DictConfig, model) -> None:
+    """Run the precision lint; findings stop the job (`error`), are printed (`warn`) or skipped (`off`)."""
+    from orchestrator.precision.lint import lint
+
+    if cfg.precision.lint == "off":
+        return
+    findings = lint(cfg, model)
+    if not findings:
+        return
+    listed = "\n".join(f"  - {finding}" for finding in findings)
+    if cfg.precision.lint == "error":
+        raise BadInput(f"precision lint found {len(findings)} problem(s) with this job's policy:\n{listed}\n"
+                       "Fix them, or set precision.lint: warn to train anyway.")
+    print(f"warning: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from orchestrator.run.driver import execute, plan_run
+    from orchestrator.run.launch import check_local_capacity
+
+    args = parse_args(argv)
+    job_path = Path(args.job)
+    to_cluster = remote.is_job_server_address(args.address)
+    try:
+        if args.no_wait and not to_cluster:
+            raise BadInput("--no-wait needs a job server to submit to: --address http://HEAD:8265.")
+        cfg = load_job(job_path, args.overrides)
+        if args.dry_run:
+            print(redact(to_yaml(cfg)), end="")
+            return EXIT_OK
+        if not to_cluster:  # a remote job reads its data on the cluster, which checks it there
+            data.ensure_available(cfg.data)
+        # Built on the CPU here, so a broken model or a dangerous precision policy fails before Ray starts.
+        model = models.build_model(cfg.model)
+        check_precision(cfg, model)
+        faults.check(cfg.faults, model)
+        if to_cluster:
+            return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
+        if not args.address:
+            check_local_capacity(cfg)
+        plan = plan_run(cfg, job_path, args.address, args.resume)
+    except BadInput as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return execute(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

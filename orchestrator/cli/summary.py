@@ -1,0 +1,165 @@
+"""`python -m orchestrator.summary MODEL --input 3,64,64 [--precision O3] [--optimizer adam] [--json]`
+
+A model summary that tells the truth about dtypes: the policy is applied to the model, one real
+training step runs (forward, backward, optimizer step; loss scaling off so the optimizer always
+steps), and every number is measured on the live tensors: parameters as stored, gradients,
+optimizer state, fp32 masters and the activations autograd saved for backward.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from orchestrator.config.loader import load_precision
+from orchestrator.config.schema import OptimSection
+from orchestrator.errors import BadInput
+from orchestrator.train.memory import CATEGORIES, MemoryLedger
+from orchestrator.train.models import build_model
+from orchestrator.train.optim import build_optimizer
+from orchestrator.precision import AmpSettings, MasterWeights, Policy, apply, autocast_context, dtype_name, plan
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@dataclass
+class _ModelSpec:
+    name: str
+    num_classes: Optional[int]
+    kwargs: dict
+
+
+def parse_input(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(size < 1 for size in shape):
+        raise BadInput(f"--input: '{text}' is not a shape like 3,64,64 (channels,height,width; no batch).")
+    return shape
+
+
+def summarize(model_name: str, input_shape: Sequence[int], *, preset: str = "O0", optimizer: str = "sgd",
+              batch_size: int = 1, num_classes: Optional[int] = None, activations: bool = True,
+              device: Optional[torch.device] = None) -> dict[str, Any]:
+    """The summary as the `--json` object."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision_cfg = load_precision(preset)
+    policy, amp = Policy.from_config(precision_cfg), AmpSettings.from_config(precision_cfg)
+    model = build_model(_ModelSpec(model_name, num_classes, {})).to(device)
+    plans = plan(model, policy)
+    masters = MasterWeights(model, plans) if policy.master_weights else None
+    apply(model, policy, plans, device.type)
+    params = masters.optimizer_params(model) if masters else model.parameters()
+    opt = build_optimizer(OptimSection(name=optimizer, lr=1e-3), params)
+    ledger = MemoryLedger(model)
+
+    shapes: dict[str, list[int]] = {}
+    hooks = [module.register_forward_hook(partial(_record_shape, shapes=shapes, name=name))
+             for name, module in model.named_modules()]
+    if activations:
+        with autocast_context(amp, device.type), ledger.probe.recording():
+            output = model(torch.randn(batch_size, *input_shape, device=device))
+        output.float().sum().backward()
+    else:  # no forward pass: real zero gradients, so the optimizer still allocates its real state
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        ledger.bytes["activations"] = ledger.bytes["weight_casts"] = {}
+    for hook in hooks:
+        hook.remove()
+    ledger.record_backward()
+    if masters:
+        masters.grads_to_masters()
+    opt.step()
+    if masters:
+        masters.masters_to_params()
+    ledger.record_state(opt, masters)
+
+    layers = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own and (name == "" or any(True for _ in module.children())):
+            continue  # containers without parameters of their own
+        layers.append({
+            "name": name, "type": type(module).__name__, "output_shape": shapes.get(name),
+            "params": sum(p.numel() for p in own),
+            "param_dtype": dtype_name(own[0].dtype) if own else None,
+            "bytes": sum(p.numel() * p.element_size() for p in own),
+        })
+    return {
+        "model": model_name, "input": list(input_shape), "batch_size": batch_size,
+        "precision": precision_cfg.preset, "optimizer": optimizer, "activations_measured": activations,
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "bytes": {category: dict(sorted(ledger.bytes.get(category, {}).items())) for category in CATEGORIES},
+        "layers": layers,
+    }
+
+
+def _record_shape(module: nn.Module, args: tuple, output: Any, *, shapes: dict, name: str) -> None:
+    if name not in shapes and isinstance(output, torch.Tensor):
+        shapes[name] = list(output.shape)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f}"
+
+
+def render(summary: dict[str, Any]) -> str:
+    """Human output in the spirit of torchsummary, with dtypes and every category measured."""
+    rule = "-" * 96
+    lines = [rule, f"{'Layer (type)':<36}{'Output Shape':<22}{'Param #':>12}{'dtype':>10}{'Bytes':>16}", "=" * 96]
+    for layer in summary["layers"]:
+        shape = str([-1, *layer["output_shape"][1:]]) if layer["output_shape"] else "-"
+        lines.append(f"{layer['name'] + ' (' + layer['type'] + ')':<36}{shape:<22}{layer['params']:>12,}"
+                     f"{layer['param_dtype'] or '-':>10}{layer['bytes']:>16,}")
+    bytes_ = summary["bytes"]
+    params_bytes = sum(bytes_["params"].values())
+    lines += ["=" * 96, f"Total params: {summary['total_params']:,}",
+              f"Precision: {summary['precision']}    optimizer: {summary['optimizer']}    "
+              f"input: {'x'.join(map(str, summary['input']))}    batch: {summary['batch_size']}", rule]
+    for category in CATEGORIES:
+        per_dtype = bytes_[category]
+        if category in ("activations", "weight_casts") and not summary["activations_measured"]:
+            detail = "not measured (--no-activations)"
+        else:
+            detail = ", ".join(f"{dtype} {size:,} B" for dtype, size in per_dtype.items()) or "none"
+        lines.append(f"{category:<13}{_mib(sum(per_dtype.values())):>10} MiB   {detail}")
+    total = sum(sum(per_dtype.values()) for per_dtype in bytes_.values())
+    lines += [rule, f"Params size (MB): {_mib(params_bytes)}",
+              f"Estimated Total Size (MB): {_mib(total)}  (every category above)", rule]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.summary",
+                                     description="A precision-aware model summary: real bytes by dtype.")
+    parser.add_argument("model", help="registry name (simple_cnn, resnet18, three_conv) or package.module:Name")
+    parser.add_argument("--input", default="3,32,32", help="input shape without the batch, e.g. 3,64,64")
+    parser.add_argument("--precision", default="O0", help="a preset: O0, O1, O2, O3, bf16-mixed, bf16-true, 16-mixed...")
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="whose state to measure (default sgd)")
+    parser.add_argument("--batch-size", type=int, default=1, help="batch of the measured step (activations scale with it)")
+    parser.add_argument("--num-classes", type=int, default=None, help="passed to the model (default: the model's own)")
+    parser.add_argument("--no-activations", action="store_true",
+                        help="skip the forward/backward pass (fast; activations are not measured)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    try:
+        if args.batch_size < 1:
+            raise BadInput(f"--batch-size: must be >= 1, got {args.batch_size}.")
+        summary = summarize(args.model, parse_input(args.input), preset=args.precision, optimizer=args.optimizer,
+                            batch_size=args.batch_size, num_classes=args.num_classes,
+                            activations=not args.no_activations)
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary) if args.json else render(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""`python -m orchestrator.sweep JOB --presets O0,O1,O2,bf16-mixed [key=value ...]`: which precision is
+fastest and smallest for this model, and does it cost accuracy?
+
+The job runs once per preset, one after another on one Ray, each as a complete ampflow run (metrics,
+audit, plots, checkpoints in its own Ray run directory) that MLflow nests under one parent run. The
+parent gets the comparison read back from the children: `sweep/comparison.{json,md,png}` and
+`sweep/<preset>/...` metrics.
+
+Exit codes: 0 every child finished; 1 a child failed (the others still ran; its row says FAILED);
+2 bad input (nothing started, no MLflow run); 130 interrupted (parent and running child closed KILLED).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator.train import data, faults, models
+
+from orchestrator.run import remote
+from orchestrator.config import flatten, load_job
+from orchestrator.errors import BadInput
+from orchestrator.tracking.secrets import redact
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass
+class SweepPlan:
+    job_path: Path
+    overrides: list[str]
+    address: Optional[str]
+    name: str
+    """The parent run's name; child runs are `<name>-<preset>`."""
+    configs: dict[str, DictConfig]
+    """Each preset's resolved job config, in sweep order (the first is the baseline)."""
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.sweep",
+        description="Train a job once per precision preset and compare speed, memory and accuracy in MLflow.",
+    )
+    parser.add_argument("job", help="job YAML file, e.g. jobs/quickstart.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every preset")
+    parser.add_argument("--presets", required=True,
+                        help="comma-separated presets, the first is the baseline, e.g. O0,O1,O2,bf16-mixed")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                        help="an existing Ray cluster (ray://HOST:10001 or HOST:6379; default: $RAY_ADDRESS, "
+                             "else a local Ray)")
+    parser.add_argument("--max-accuracy-drop", type=float, default=0.01,
+                        help="name presets whose final accuracy is lower than the first's by more than this "
+                             "(0.01 = 1 point)")
+    return parser.parse_intermixed_args(argv)
+
+
+def parse_presets(text: str) -> list[str]:
+    """Canonical preset names, in order; BadInput for an empty list, unknown names and duplicates."""
+    from orchestrator.config.loader import resolve_preset
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise BadInput("--presets: no preset given. List them comma-separated, e.g. --presets O0,O1,bf16-mixed.")
+    canonical: dict[str, str] = {}
+    for name in names:
+        try:
+            preset = resolve_preset(name)
+        except BadInput as exc:
+            raise BadInput(f"--presets: {exc}") from None
+        if preset in canonical:
+            same = f"'{canonical[preset]}' and '{name}' are both" if canonical[preset] != name else f"'{name}' is"
+            raise BadInput(f"--presets: {same} preset {preset}: listed twice. List each preset once.")
+        canonical[preset] = name
+    return list(canonical)
+
+
+def check_precision_keys(job_path: Path, overrides: list[str], configs: dict[str, DictConfig]) -> None:
+    """The job's own precision keys (job file and command line) apply on top of every preset.
+
+    One that replaces a value a preset file sets would make that child not the preset it is named
+    after, and the comparison a lie: exit 2. The rest (rules, scaler tuning, lint) are announced.
+    """
+    from orchestrator.config.loader import configs_dir, parse_overrides
+    from orchestrator.config.yamlsafe import load_yaml_mapping
+
+    own = dict(load_yaml_mapping(job_path).get("precision") or {})
+    own.update(OmegaConf.to_container(parse_overrides(overrides)).get("precision") or {})
+    own.pop("preset", None)
+    for preset, cfg in configs.items():
+        preset_values = load_yaml_mapping(configs_dir() / "precision" / f"{preset}.yaml", what="precision preset")
+        for key, value in preset_values.items():
+            if key in own and key != "lint" and cfg.precision[key] != value:
+                raise BadInput(
+                    f"precision.{key}: {job_path} (or the command line) sets {cfg.precision[key]}, which replaces "
+                    f"preset {preset}'s {value}: that run would not be {preset}. Remove precision.{key} from the "
+                    "job's precision section and the overrides to sweep presets (the sweep sets the preset).")
+    if own:
+        print(f"warning: {', '.join(f'precision.{key}' for key in own)} from {job_path} or the command line "
+              "apply on top of every preset of the sweep.", file=sys.stderr)
+
+
+def check_lint(preset: str, cfg: DictConfig, model) -> None:
+    """The precision lint for one preset: findings stop the sweep (`error`), are printed (`warn`) or skipped."""
+    from orchestrator.precision.lint import lint
+
+    findings = lint(cfg, model) if cfg.precision.lint != "off" else []
+    if not findings:
+        return
+    listed = "\n".join(f"  - {finding}" for finding in findings)
+    if cfg.precision.lint == "error":
+        raise BadInput(f"preset {preset}: precision lint found {len(findings)} problem(s):\n{listed}\n"
+                       f"Drop {preset} from --presets, fix the policy, or pass precision.lint=warn to run it anyway.")
+    print(f"warning: preset {preset}: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
+
+
+def validate(args: argparse.Namespace) -> SweepPlan:
+    """Everything submit checks, for every preset, before anything starts; BadInput (exit 2) otherwise."""
+    from orchestrator.run import records as records
+    from orchestrator.run.launch import check_local_capacity
+
+    if remote.is_job_server_address(args.address):
+        raise BadInput(f"--address {redact(args.address)}: the sweep does not submit to a job server; it runs "
+                       "the presets from this process. Pass the cluster's Ray address (ray://HEAD:10001), or "
+                       "submit each preset with `python -m orchestrator.submit JOB precision.preset=P --address ...`.")
+    if any(item.split("=", 1)[0].strip() == "precision.preset" for item in args.overrides):
+        raise BadInput("command line: precision.preset is set by the sweep; list the presets with --presets.")
+    if not 0 <= args.max_accuracy_drop < 1:
+        raise BadInput(f"--max-accuracy-drop {args.max_accuracy_drop:g}: must be in [0, 1) (0.01 = 1 point).")
+    presets = parse_presets(args.presets)
+    job_path = Path(args.job)
+    first = load_job(job_path, [*args.overrides, f"precision.preset={presets[0]}"])
+    name = f"{first.run.name}-sweep" if first.run.name else f"{job_path.stem}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    configs = {p: load_job(job_path, [*args.overrides, f"precision.preset={p}", f"run.name={name}-{p}"])
+               for p in presets}
+    check_precision_keys(job_path, args.overrides, configs)
+    base = configs[presets[0]]
+    data.ensure_available(base.data)
+    model = models.build_model(base.model)  # on the CPU here: a broken model fails before Ray starts
+    for preset, cfg in configs.items():
+        check_lint(preset, cfg, model)
+    faults.check(base.faults, model)
+    if not args.address:
+        check_local_capacity(base)
+    for preset, cfg in configs.items():
+        if records.run_exists(cfg.checkpoint.storage_path, cfg.run.name):
+            raise BadInput(f"run.name: a run named '{cfg.run.name}' already exists in {cfg.checkpoint.storage_path}. "
+                           "Choose another run.name for the sweep.")
+    return SweepPlan(job_path, list(args.overrides), args.address, name, configs)
+
+
+def start_parent(plan: SweepPlan, max_accuracy_drop: float):
+    """The parent MLflow run: the common config (precision varies per child), the sweep's params and tags."""
+    from orchestrator.tracking.tracker import RunTracker, git_commit, quick_http_failures, resolve_uri
+
+    quick_http_failures()
+    base = next(iter(plan.configs.values()))
+    presets = ",".join(plan.configs)
+    common = OmegaConf.to_container(base, resolve=True)
+    common.pop("precision")
+    common["run"].pop("name")
+    params = {key: value for key, value in flatten(base).items()
+              if not key.startswith("precision.") and key != "run.name"}
+    params.update({"sweep.presets": presets, "sweep.job_file": str(plan.job_path),
+                   "sweep.overrides": " ".join(plan.overrides)[:6000] or "(none)",
+                   "sweep.max_accuracy_drop": str(max_accuracy_drop)})
+    tags = {"ampflow.sweep": "true", "sweep.presets": presets, "job_file": str(plan.job_path)}
+    commit = git_commit(Path.cwd())
+    if commit:
+        tags["git_commit"] = tags["mlflow.source.git.commit"] = commit
+    uri = resolve_uri(base.tracking.uri, Path.cwd())
+    header = f"# The sweep's common config; precision is each child run's preset ({presets}).\n"
+    return RunTracker.start(uri, base, run_name=plan.name, tags=tags, params=params,
+                            config_yaml=header + yaml.safe_dump(common, sort_keys=False))
+
+
+def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]]:
+    """Each preset's run, in order: (preset, MLflow run id or None, exit code). A failed child does not stop
+    the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
+    from orchestrator.run.driver import execute, plan_run
+
+    results = []
+    for number, (preset, cfg) in enumerate(plan.configs.items(), start=1):
+        _ctrl_c_interrupts()
+        print(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===", file=sys.stderr)
+        child = None
+        try:
+            child = plan_run(cfg, plan.job_path, plan.address, False, parent_run_id=parent.run_id)
+            exit_code = execute(child)
+        except (KeyboardInterrupt, SystemExit):
+            if child is not None and child.tracker is not None and child.tracker.status() == "RUNNING":
+                child.tracker.finish("KILLED")
+            raise
+        except Exception as exc:  # a driver-side error in one child (execute closed its run FAILED)
+            print(f"error: preset {preset} failed: {redact(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
+            exit_code = EXIT_FAILED
+        run_id = child.tracker.run_id if child is not None and child.tracker is not None else None
+        results.append((preset, run_id, exit_code))
+    return results
+
+
+def _ctrl_c_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt again. Each fit() installs Ray Train's SIGINT handler (abort that
+    run's controller, then sys.exit) and leaves it installed after the run ended."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
+    """The comparison on the parent run: JSON rows, a Markdown table, a chart, per-preset metrics."""
+    from orchestrator.tracking.plots import _pyplot
+    from orchestrator.cli.sweep_report import comparison_figure, markdown_table
+
+    parent.client.log_text(parent.run_id, json.dumps(rows, indent=2), "sweep/comparison.json")
+    parent.client.log_text(parent.run_id, markdown_table(rows), "sweep/comparison.md")
+    figure = comparison_figure(rows)
+    parent.client.log_figure(parent.run_id, figure, "sweep/comparison.png")
+    _pyplot().close(figure)
+    parent.log_metrics({f"sweep/{row['preset']}/{key}": value for row in rows for key, value in row.items()
+                        if isinstance(value, (int, float)) and not isinstance(value, bool)})
+
+
+def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
+    """Run the children on one Ray, log and print the comparison; the parent always ends FINISHED (every
+    child finished), FAILED or KILLED."""
+    import ray
+    from mlflow import MlflowClient
+
+    from orchestrator.run.driver import init_ray, interrupt_on_sigterm
+    from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
+    from orchestrator.tracking.tracker import view_hint
+
+    base = next(iter(plan.configs.values()))
+    print(f"MLflow parent run {parent.run_id} ({plan.name}) in experiment '{base.tracking.experiment}' at "
+          f"{redact(parent.uri)}: presets {', '.join(plan.configs)}", file=sys.stderr)
+    started_ray, previous_sigterm = False, None
+    try:
+        # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
+        # here as execute() would, so an import-path model is shipped as a job-level py_module.
+        started_ray, _ = init_ray(plan.address, models.module_source(base.model.name))
+        previous_sigterm = interrupt_on_sigterm()
+        results = run_children(plan, parent)
+        client = MlflowClient(tracking_uri=parent.uri)
+        _ctrl_c_interrupts()
+        rows = add_baseline_ratios([child_row(client, *result) for result in results])
+        log_comparison(parent, rows)
+        failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
+        parent.finish("FAILED" if failed else "FINISHED")
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ctrl-C through Ray Train's handler (see above)
+        parent.finish("KILLED")
+        print(f"\nsweep interrupted: parent run {parent.run_id} and the running child marked KILLED.",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BaseException:
+        parent.finish("FAILED")
+        raise
+    finally:
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
+        if started_ray:
+            ray.shutdown()
+
+    print(f"\nSweep {plan.name} (ratios and delta vs {rows[0]['preset']}):\n")
+    print(markdown_table(rows))
+    print(verdict(rows, max_accuracy_drop))
+    if not base.scaling.use_gpu:
+        print("Note: on CPU, peak memory is each worker process's peak resident set, framework included; "
+              "dtype savings show clearly on a GPU.")
+    print(f"View it:  {redact(view_hint(parent.uri, parent.experiment_id, parent.run_id))}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = validate(args)
+        parent = start_parent(plan, args.max_accuracy_drop)  # MLflow unreachable: exit 2, nothing started
+    except BadInput as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_sweep(plan, parent, args.max_accuracy_drop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""MLflow: the run (`tracker`), the driver's one writer, the report relay, the console, plots, secrets."""
