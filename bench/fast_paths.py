@@ -34,8 +34,7 @@ SWITCHES = {
 
 def samples_per_s(overrides: list[str], *, device: torch.device, model: str, preset: str, batch: int,
                   samples: int, warmup: int, steps: int, compile_backend: str) -> float:
-    from orchestrator.train.data import build_datasets, build_device_loaders, build_loaders
-    from orchestrator.precision import AmpSettings
+    from orchestrator.train.data import build_rank_loaders
     from orchestrator.train.training import build_training
 
     from orchestrator.train import step as loop  # the worker's step code; imports without Ray
@@ -44,23 +43,17 @@ def samples_per_s(overrides: list[str], *, device: torch.device, model: str, pre
         "precision": {"preset": preset}, "scaling": {"num_workers": 1}, "run": {"batch_size": batch},
     }, overrides + [f"perf.compile_backend={compile_backend}"])
     torch.manual_seed(0)
-    train, test = build_datasets(cfg.data, cfg.model.num_classes)
-    shard = dict(batch_size=batch, rank=0, world_size=1, seed=0)
-    if cfg.data.loader == "device":
-        loader, _, position = build_device_loaders(train, test, augment=False, device=device, **shard)
-    else:
-        loader, _, position = build_loaders(train, test, loader_workers=0, pin_memory=device.type == "cuda", **shard)
-    training = build_training(cfg, device, total_steps=10**6, ddp=False)
-    amp = AmpSettings.from_config(cfg.precision)
+    loader, _, position = build_rank_loaders(cfg, rank=0, world_size=1, device=device)
+    training = build_training(cfg, device, total_steps=10**6)
+    window = loop.Window(device)
     sync = common.synchronize(device)
     step, epoch, started, timed = 0, 0, None, 0
     while True:
         position.set_position(epoch, 0, batch)
         for inputs, targets in loader:
             step += 1
-            loop.train_step(training, inputs, targets, amp, device, step)
-            loop.close_audit(training, {})
-            training.prepared.compile_when_audited()
+            loss, outcome = loop.train_step(training, inputs, targets, device, step)
+            loop.after_step(training, loss, outcome, len(targets), window, {})
             if step == warmup:
                 sync()
                 started = time.perf_counter()

@@ -13,8 +13,9 @@ optimizer, number of steps, and torch threads per rank):
   DistributedDataParallel, DistributedSampler + DataLoader, `zero_grad / backward / step`. Rank 0
   takes a timestamp every `log_every` steps, so its windows are the same steps as ours; launch time
   runs from the spawn call to the end of the first step on rank 0.
-- `loop`: the same spawned harness running our per-step code without Ray: our loaders,
-  `build_training` and the calls `train_loop` makes each step. It splits the gap in two:
+- `loop`: the same spawned harness running our training loop without Ray
+  (`orchestrator.train.loop.TrainingLoop`, the loop every Ray Train worker runs, with a session that
+  timestamps each report instead of handing it to Ray). It splits the gap in two:
   `loop_throughput` (loop / plain) is what our step code costs, `runtime_throughput` (ours / loop)
   what Ray Train (its processes, reporting, the worker thread) costs.
 
@@ -101,12 +102,17 @@ def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float,
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.workers)
     cfg = OmegaConf.create(cfg)
+    if candidate == "loop":  # seeds, data and model as every Ray Train worker makes them
+        result = run_loop(cfg, rank, args, launched_at, str(Path(result_path).parent))
+        if rank == 0:
+            Path(result_path).write_text(json.dumps({**result, "threads": torch.get_num_threads()}))
+        dist.destroy_process_group()
+        return
     torch.manual_seed(cfg.run.seed + rank)
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
     # As ray.train.torch.prepare_model: no DDP wrapper around a single rank.
     wrap = DistributedDataParallel if args.workers > 1 else (lambda model, **kwargs: model)
-    build = plain_step if candidate == "plain" else loop_step
-    loader, step_fn = build(cfg, rank, args, train_set, eval_set, wrap)
+    loader, step_fn = plain_step(cfg, rank, args, train_set, eval_set, wrap)
     marks, first_step_s = [time.perf_counter()], None
     for step, (inputs, targets) in enumerate(loader, start=1):
         if step > args.steps:
@@ -147,30 +153,41 @@ def plain_step(cfg, rank: int, args, train_set, eval_set, wrap):
     return loader, step
 
 
-def loop_step(cfg, rank: int, args, train_set, eval_set, wrap):
-    """Our worker loop's per-step work without Ray: the loaders, `build_training` and the calls `train_loop`
-    makes each step (`train_step`, `after_step`, the loss window read every `log_every` steps)."""
-    from orchestrator.train.data import build_loaders
-    from orchestrator.precision import AmpSettings
-    from orchestrator.train.step import Window, after_step, train_step
-    from orchestrator.train.training import build_training, ddp_kwargs, register_comm_hook
+class TimingSession:
+    """A Ray-free session for our training loop that timestamps each window report (every `log_every` steps)
+    and keeps checkpoints in a temp dir: the loop runs exactly as it does under Ray Train, minus Ray."""
 
-    device = torch.device("cpu")
-    loader, _, position = build_loaders(train_set, eval_set, batch_size=args.batch_size, rank=rank,
-                                        world_size=args.workers, seed=cfg.run.seed, loader_workers=0, pin_memory=False)
-    position.set_position(0, 0, args.batch_size)
-    training = build_training(cfg, device, rank=rank, world_size=args.workers, total_steps=args.steps, ddp=False)
-    training.prepared.model = wrap(training.prepared.model, **ddp_kwargs(cfg.ddp))
-    register_comm_hook(training.prepared.model, cfg.ddp.comm_hook)
-    amp, window, pending = AmpSettings.from_config(cfg.precision), Window(device), {}
+    def __init__(self, rank: int, world_size: int, directory: Path):
+        from orchestrator.train.local import LocalSession
 
-    def step(index: int, inputs, targets) -> None:
-        loss, outcome = train_step(training, inputs, targets, amp, device, index)
-        after_step(training, loss, outcome, targets.numel(), window, pending)
-        if index % args.log_every == 0:
-            window.read()
+        self.local = LocalSession(rank, world_size, torch.device("cpu"), directory)
+        self.rank, self.world_size, self.device = rank, world_size, self.local.device
+        self.marks: list[float] = []
+        self.first_step_s = None
 
-    return loader, step
+    def report(self, metrics, checkpoint=None, checkpoint_name=None) -> None:
+        if "train/loss" in metrics:  # a window of `log_every` steps ended
+            self.marks.append(time.perf_counter())
+        self.first_step_s = metrics.get("perf/time_to_first_step_s", self.first_step_s)
+        self.local.report(metrics, checkpoint, checkpoint_name)
+
+    def checkpoints(self):
+        return []
+
+    def fault_marker_dir(self):
+        return None
+
+
+def run_loop(cfg, rank: int, args, launched_at: float, tmp: str) -> dict:
+    """Our training loop (`orchestrator.train.loop.TrainingLoop`), as every Ray Train worker runs it, in the
+    spawned rank; windows are the times between its reports."""
+    from orchestrator.train.loop import TrainingLoop
+
+    session = TimingSession(rank, args.workers, Path(tmp) / f"loop-rank{rank}")
+    TrainingLoop(cfg, session, launched_at=launched_at).run()
+    samples = args.log_every * args.batch_size * args.workers
+    return {"windows": [samples / (b - a) for a, b in zip(session.marks, session.marks[1:])],
+            "launch_to_first_step_s": session.first_step_s}
 
 
 def run_spawned(candidate: str, args, cfg: dict, tmp: Path, index: int) -> dict:

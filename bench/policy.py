@@ -2,10 +2,10 @@
 
 What is compared (one process, no Ray, the same device, weights, batches and optimizer):
 
-- `policy`: the model built by `orchestrator.train.training.build_training(..., ddp=False)` under the
+- `policy`: the model built by `orchestrator.train.training.build_training()` under the
   bf16-mixed preset plus rules that pin layers to float32 (default for resnet18: every BatchNorm
   and the classifier `fc`), stepped by the worker's own `train_step` (plus the per-step
-  `close_audit` / `ledger.take_table` calls the worker loop makes, which are no-ops after step 1).
+  `after_step` the worker loop makes: audit, memory table, the loss window).
 - `plain`: the same model and weights under a hand-written `torch.autocast(dtype=bfloat16)`, with
   the same layers wrapped by hand in a module that turns autocast off and casts its input to
   float32 (what a user writes without ampflow), and `zero_grad / backward / optimizer.step()`.
@@ -83,18 +83,17 @@ def main(argv=None) -> int:
 
     from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     from orchestrator.train.models import build_model
-    from orchestrator.precision import AmpSettings
     from orchestrator.train.training import build_training
 
     torch.manual_seed(0)
     cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"},
                       "precision": {"preset": "bf16-mixed", "rules": [{"match": g, "dtype": "float32"} for g in globs]},
                       "run": {"batch_size": batch}})
-    amp = AmpSettings.from_config(cfg.precision)
-    training = build_training(cfg, device, total_steps=10**6, ddp=False)
+    training = build_training(cfg, device, total_steps=10**6)
+    window = loop.Window(device)
 
     plain_model = build_model(cfg.model)
-    plain_model.load_state_dict(training.prepared.fp32_state_dict())
+    plain_model.load_state_dict(training.precision.fp32_state_dict())
     pinned = pin_by_hand(plain_model, globs, device.type)
     plain_model.to(device)
     o = cfg.optim
@@ -117,9 +116,8 @@ def main(argv=None) -> int:
 
     def policy_step() -> None:
         inputs, targets = next(policy_batches)
-        loop.train_step(training, inputs, targets, amp, device, next(step_number))
-        loop.close_audit(training, {})
-        training.ledger.take_table()
+        loss, outcome = loop.train_step(training, inputs, targets, device, next(step_number))
+        loop.after_step(training, loss, outcome, len(targets), window, {})
 
     def plain_step() -> None:
         inputs, targets = next(plain_batches)

@@ -84,19 +84,18 @@ def main(argv=None) -> int:
 
     from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     from orchestrator.train.models import build_model
-    from orchestrator.precision import AmpSettings
     from orchestrator.train.training import build_training
 
     torch.manual_seed(0)
     cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},
                       "run": {"batch_size": batch}})
-    amp = AmpSettings.from_config(cfg.precision)
-    training = build_training(cfg, device, total_steps=10**6, ddp=False)
+    training = build_training(cfg, device, total_steps=10**6)
+    amp = training.precision.policy.amp
     window = loop.Window(device)
     sink: list[dict] = []
 
     bare_model = build_model(cfg.model)
-    bare_model.load_state_dict(training.prepared.fp32_state_dict())
+    bare_model.load_state_dict(training.precision.fp32_state_dict())
     bare_model.to(device)
     o = cfg.optim
     bare_opt = torch.optim.SGD(bare_model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
@@ -113,16 +112,13 @@ def main(argv=None) -> int:
         nonlocal global_step
         inputs, targets = next(full_batches)
         global_step += 1
-        loss, outcome = loop.train_step(training, inputs, targets, amp, device, global_step)
-        loop.close_audit(training, {})
-        training.ledger.take_table()
-        if not outcome.nan_loss:
-            window.add(loss, targets.numel())
+        loss, outcome = loop.train_step(training, inputs, targets, device, global_step)
+        loop.after_step(training, loss, outcome, targets.numel(), window, {})
         if global_step % args.log_every == 0:  # the worker's periodic report, minus ray.train.report itself
             metrics = window.read()
-            training.guard.check_loss_window(metrics["train/loss"], global_step)
-            sink.append({"step": global_step, **training.guard.metrics(),
-                         "amp/overflow_log": training.guard.drain_overflow_log(), **metrics})
+            training.precision.guard.check_loss_window(metrics["train/loss"], global_step)
+            sink.append({"step": global_step, **training.precision.guard.metrics(),
+                         "amp/overflow_log": training.precision.guard.drain_overflow_log(), **metrics})
 
     def bare_step() -> None:
         inputs, targets = next(bare_batches)
@@ -140,7 +136,7 @@ def main(argv=None) -> int:
     # Overflow attribution only runs on a skipped step: time it apart, on a real gradient with one inf.
     from orchestrator.precision.scaling import first_nonfinite
 
-    grads = [t.grad for _, t in training.named_tensors if t.grad is not None]
+    grads = [t.grad for _, t in training.precision.named_tensors if t.grad is not None]
     attribution_ms = float("nan")
     if grads:
         grads[0].view(-1)[0] = float("inf")
@@ -148,7 +144,7 @@ def main(argv=None) -> int:
         sync()
         started = time.perf_counter()
         for _ in range(5):
-            first_nonfinite(training.named_tensors)
+            first_nonfinite(training.precision.named_tensors)
         sync()
         attribution_ms = (time.perf_counter() - started) / 5 * 1e3
 
@@ -162,7 +158,7 @@ def main(argv=None) -> int:
                "full_ms_per_step_repeats": [t * 1e3 for t in times["full"]],
                "none_ms_per_step_repeats": [t * 1e3 for t in times["none"]],
                "overflow_attribution_ms": attribution_ms,
-               "skipped_steps_full": training.guard.counters.skipped_steps, "reports": len(sink)}
+               "skipped_steps_full": training.precision.guard.counters.skipped_steps, "reports": len(sink)}
     print(f"overflow attribution (skipped steps only): {attribution_ms:.3g} ms")
     if not args.no_mlflow:
         writer = time_mlflow_writer(sink or [{"train/loss": 0.0}], repeats=6 if args.smoke else 30)

@@ -9,14 +9,22 @@ import pytest
 import ray.train
 import torch
 
+from orchestrator.run.worker import ray_candidates
 from orchestrator.train import rng
 from orchestrator.train.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
-                                     manifest_file, rank_file, read_checkpoint, staged_checkpoint,
-                                     write_checkpoint_files)
+                                           local_candidates, manifest_file, rank_file, read_checkpoint,
+                                           staged_checkpoint, write_checkpoint_files)
+from orchestrator.train.state import TrainState
+
+
+def train_state(step: int) -> TrainState:
+    return TrainState(model={"w": torch.full((3,), float(step))}, optimizer={"state": {}, "param_groups": []},
+                      scheduler={}, scaler={"scale": 1024.0}, counters={"skipped_steps": 0}, global_step=step,
+                      report={"step": step})
 
 
 def shared_state(step: int) -> dict:
-    return {"model": {"w": torch.full((3,), float(step))}, "global_step": step, "report": {"step": step}}
+    return train_state(step).to_files()[0]
 
 
 def save(run_dir: Path, step: int, ranks=(0, 1)) -> Path:
@@ -28,16 +36,17 @@ def save(run_dir: Path, step: int, ranks=(0, 1)) -> Path:
     return directory
 
 
-def newest(run_dir: Path) -> ray.train.Checkpoint:
-    return ray.train.Checkpoint(path=str(sorted(run_dir.iterdir())[-1]))
+def newest(run_dir: Path):
+    """The candidates as the Ray Train worker sees them: Ray's newest checkpoint, then the older ones beside it."""
+    return ray_candidates(ray.train.Checkpoint(path=str(sorted(run_dir.iterdir())[-1])))
 
 
 def test_each_rank_reads_the_shared_state_and_its_own_part(tmp_path):
     directory = save(tmp_path, 8)
     state = read_checkpoint(directory, rank=1)
-    assert state["global_step"] == 8 and torch.equal(state["model"]["w"], torch.full((3,), 8.0))
-    assert state["rank"]["window"] == {"loss_sum": 1.5, "samples": 32}
-    assert read_checkpoint(directory, rank=2)["rank"] is None  # a rank that was not there (world grew)
+    assert state.global_step == 8 and torch.equal(state.model["w"], torch.full((3,), 8.0))
+    assert state.rank.window == {"loss_sum": 1.5, "samples": 32}
+    assert read_checkpoint(directory, rank=2).rank is None  # a rank that was not there (world grew)
 
 
 @pytest.mark.parametrize("damage", ["truncate_state", "truncate_rank_file", "drop_manifest", "drop_state"])
@@ -64,7 +73,7 @@ def test_fallback_to_the_previous_valid_checkpoint_names_the_bad_one(tmp_path):
     with open(bad / STATE_FILE, "r+b") as handle:
         handle.truncate(64)
     state, warnings = load_newest_valid(newest(tmp_path), rank=0)
-    assert state["global_step"] == 8
+    assert state.global_step == 8
     (warning,) = warnings
     assert "checkpoint_000000012" in warning and "falling back" in warning
 
@@ -75,7 +84,7 @@ def test_ranks_agree_on_one_checkpoint_when_only_another_ranks_file_is_damaged(t
     # Rank 0's files are fine in both; the "other rank" refuses the newest: rank 0 must fall back too.
     votes = iter([False, True])
     state, warnings = load_newest_valid(newest(tmp_path), rank=0, agree=lambda ok: ok and next(votes))
-    assert state["global_step"] == 4 and "on another rank" in warnings[0]
+    assert state.global_step == 4 and "on another rank" in warnings[0]
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
@@ -109,6 +118,32 @@ def test_a_full_disk_leaves_nothing_behind_and_the_previous_checkpoint_loads(tmp
         with staged_checkpoint(0, shared_state(8), {"rng": rng.capture()}, step=8, save=full_disk):
             pytest.fail("a failed write must not be reported")
     assert staged and not staged[0].exists()  # the staging directory is gone
-    assert read_checkpoint(previous, rank=0)["global_step"] == 4
+    assert read_checkpoint(previous, rank=0).global_step == 4
     state, warnings = load_newest_valid(newest(tmp_path), rank=0)
-    assert state["global_step"] == 4 and warnings == []
+    assert state.global_step == 4 and warnings == []
+
+
+def test_a_checkpoint_written_before_the_typed_state_loads(tmp_path):
+    # Before the train state was typed, train_state.pt held the same fields without a `format` key.
+    directory = tmp_path / "checkpoint_000000004"
+    directory.mkdir()
+    old = {key: value for key, value in shared_state(4).items() if key != "format"}
+    write_checkpoint_files(directory, 0, old, {"rng": rng.capture(), "window": {"loss_sum": 2.0, "samples": 8}})
+    state = read_checkpoint(directory, rank=0)
+    assert state.global_step == 4 and state.rank.window == {"loss_sum": 2.0, "samples": 8}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda shared: shared.pop("optimizer"), "lacks optimizer.*afresh"),
+    (lambda shared: shared.update(format=99), "format 99 is newer"),
+])
+def test_a_checkpoint_this_version_cannot_read_is_refused_clearly(tmp_path, change, message):
+    directory = tmp_path / "checkpoint_000000004"
+    directory.mkdir()
+    shared = shared_state(4)
+    change(shared)
+    write_checkpoint_files(directory, 0, shared, {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}})
+    with pytest.raises(CorruptCheckpoint, match=message):  # never a KeyError
+        read_checkpoint(directory, rank=0)
+    with pytest.raises(CorruptCheckpoint, match="no usable checkpoint"):
+        load_newest_valid(local_candidates(tmp_path), rank=0)

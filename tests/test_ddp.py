@@ -22,7 +22,6 @@ def _train_a_few_steps(config):
     from orchestrator.config import load_job
     from orchestrator.train.data import build_datasets, build_loaders
     from orchestrator.train.faults import Faults
-    from orchestrator.precision import AmpSettings
     from orchestrator.train.training import build_training
     from orchestrator.train.rng import seed_everything
     from orchestrator.train.step import train_step
@@ -37,21 +36,20 @@ def _train_a_few_steps(config):
     loader, _, _ = build_loaders(train, test, batch_size=16, rank=rank, world_size=2, seed=0,
                                  loader_workers=0, pin_memory=False)
     training = build_training(cfg, device, rank=rank, world_size=2, total_steps=3)
-    amp = AmpSettings.from_config(cfg.precision)
     faults = Faults(cfg.faults, rank)
     first_batch_sum, outcomes = None, []
     for step, (inputs, targets) in enumerate(loader, start=1):
         if step == 4:
             break
         first_batch_sum = first_batch_sum if first_batch_sum is not None else float(inputs.sum())
-        _, outcome = train_step(training, inputs, targets, amp, device, step, faults)
+        _, outcome = train_step(training, inputs, targets, device, step, faults)
         outcomes.append(outcome.stepped)
     params = list(training.prepared.raw.parameters())
     flat = torch.cat([p.detach().double().flatten() for p in params])
     ray.train.report({"rank": rank, "param_sum": float(flat.sum()), "param_abs": float(flat.abs().sum()),
                       "param_dtypes": sorted({str(p.dtype) for p in params}),
                       "first_batch_sum": first_batch_sum, "stepped": outcomes,
-                      **training.guard.metrics(), "overflow_log": training.guard.drain_overflow_log()})
+                      **training.precision.guard.metrics(), "overflow_log": training.precision.guard.drain_overflow_log()})
 
 
 class Collect(UserCallback):

@@ -7,9 +7,8 @@ from torch import nn
 
 from orchestrator.config import load_job
 from orchestrator.train.data import build_datasets, build_device_loaders
-from orchestrator.precision import AmpSettings
 from orchestrator.train.training import build_training, ddp_kwargs, register_comm_hook
-from orchestrator.train.step import close_audit, train_step
+from orchestrator.train.step import Window, after_step, train_step
 
 from conftest import REPO
 
@@ -26,14 +25,13 @@ def losses(cfg, steps=3):
     train, test = build_datasets(cfg.data, 10)
     loader, _, position = build_device_loaders(train, test, batch_size=16, rank=0, world_size=1, seed=0,
                                                augment=False, device=CPU)
-    training = build_training(cfg, CPU, total_steps=steps, ddp=False)
-    amp = AmpSettings.from_config(cfg.precision)
+    training = build_training(cfg, CPU, total_steps=steps)
+    window = Window(CPU)
     position.set_position(0, 0, 16)
     out = []
     for step, (inputs, targets) in enumerate(loader, start=1):
-        loss, _ = train_step(training, inputs, targets, amp, CPU, step)
-        close_audit(training, {})
-        training.prepared.compile_when_audited()
+        loss, outcome = train_step(training, inputs, targets, CPU, step)
+        after_step(training, loss, outcome, len(targets), window, {})
         out.append(loss.item())
         if step == steps:
             return out, training
@@ -72,7 +70,7 @@ def test_compile_starts_after_the_audited_first_step_and_trains_the_same():
     assert training.prepared.compile_options is None
     assert result == pytest.approx(reference, rel=1e-4)
     # Before its first step, a freshly built model is not compiled yet: the audit's hooks run eagerly.
-    fresh = build_training(cfg, CPU, total_steps=1, ddp=False)
+    fresh = build_training(cfg, CPU, total_steps=1)
     assert not isinstance(fresh.prepared.model, torch._dynamo.eval_frame.OptimizedModule)
 
 

@@ -8,7 +8,7 @@ import torch
 from orchestrator.config import load_job
 from orchestrator.config.loader import configs_dir
 from orchestrator.train.models import build_model
-from orchestrator.precision import AmpSettings, broken_promises
+from orchestrator.precision import broken_promises
 from orchestrator.precision.lint import lint
 from orchestrator.train.training import build_training
 from orchestrator.train.step import train_step
@@ -25,17 +25,17 @@ CPU = torch.device("cpu")
 
 def prepared(cfg):
     """The worker's set-up without Ray (no DDP): policy applied, masters, optimizer, guarded scaler."""
-    return build_training(cfg, CPU, total_steps=10, ddp=False)
+    return build_training(cfg, CPU, total_steps=10)
 
 
 def step(training, cfg, inputs, targets, step_number=1):
-    return train_step(training, inputs, targets, AmpSettings.from_config(cfg.precision), CPU, step_number)
+    return train_step(training, inputs, targets, CPU, step_number)
 
 
 def one_step_audit(cfg, batch=4):
     training = prepared(cfg)
     loss, _ = step(training, cfg, torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
-    entries = training.prepared.audit.close()
+    entries = training.precision.audit.close()
     return {e["name"]: e for e in entries}, loss, training.prepared.raw
 
 
@@ -98,7 +98,7 @@ def test_audit_catches_a_layer_that_breaks_its_promise():
     model = training.prepared.raw
     model.features[0].weight.data = model.features[0].weight.data.float()  # someone undid the cast
     step(training, cfg, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
-    problems = broken_promises(training.prepared.audit.close())
+    problems = broken_promises(training.precision.audit.close())
     assert any("features.0" in p and "float32" in p for p in problems)
 
 
@@ -118,7 +118,7 @@ def test_fp16_params_with_adam_without_masters_is_a_lint_error_and_with_masters_
         assert math.isfinite(loss.item())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert model.features[0].weight.dtype == torch.float16
-    state = training.prepared.fp32_state_dict()
+    state = training.precision.fp32_state_dict()
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     # The half parameter is the rounded master: the optimizer really stepped on fp32.
     assert torch.equal(state["features.0.weight"].half(), model.features[0].weight.detach())

@@ -12,7 +12,7 @@ import argparse
 import copy
 import sys
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -50,8 +50,8 @@ class ExportResult:
 def cast_for_inference(model: nn.Module, precision_cfg, dtype: torch.dtype) -> nn.Module:
     """A copy of `model` stored in `dtype` except where the run's rules say otherwise; norms stay fp32."""
     run_policy = Policy.from_config(precision_cfg)
-    policy = Policy(compute_dtype=torch.float32, param_dtype=dtype, master_weights=False,
-                    keep_norm_fp32=True, rules=run_policy.rules)
+    policy = replace(run_policy, amp=replace(run_policy.amp, compute_dtype=torch.float32), param_dtype=dtype,
+                     master_weights=False, keep_norm_fp32=True)
     exported = copy.deepcopy(model).eval()
     return apply(exported, policy, plan(exported, policy), device_type=None)
 

@@ -22,7 +22,7 @@ from orchestrator.errors import BadInput
 from orchestrator.train.memory import CATEGORIES, MemoryLedger
 from orchestrator.train.models import build_model
 from orchestrator.train.optim import build_optimizer
-from orchestrator.precision import AmpSettings, MasterWeights, Policy, apply, autocast_context, dtype_name, plan
+from orchestrator.precision import MasterWeights, Policy, apply, autocast_context, dtype_name, plan
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -50,7 +50,8 @@ def summarize(model_name: str, input_shape: Sequence[int], *, preset: str = "O0"
     """The summary as the `--json` object."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision_cfg = load_precision(preset)
-    policy, amp = Policy.from_config(precision_cfg), AmpSettings.from_config(precision_cfg)
+    policy = Policy.from_config(precision_cfg)
+    amp = policy.amp
     model = build_model(_ModelSpec(model_name, num_classes, {})).to(device)
     plans = plan(model, policy)
     masters = MasterWeights(model, plans) if policy.master_weights else None

@@ -116,7 +116,6 @@ def resolve_preset(name: str) -> str:
 def load_precision(preset: str) -> DictConfig:
     """The `precision` section a preset resolves to (schema defaults < the preset file), validated."""
     from orchestrator.config.schema import PrecisionSection
-    from orchestrator.precision.amp import AmpSettings
     from orchestrator.precision.policy import Policy
 
     canonical = resolve_preset(preset)
@@ -124,7 +123,7 @@ def load_precision(preset: str) -> DictConfig:
     section = _merge(OmegaConf.structured(PrecisionSection), load_yaml_mapping(preset_file, what="precision preset"),
                      str(preset_file))
     section.preset = canonical
-    AmpSettings.from_config(section), Policy.from_config(section)  # raise BadInput naming the key
+    Policy.from_config(section)  # raises BadInput naming the key
     return section
 
 

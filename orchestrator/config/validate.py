@@ -6,7 +6,6 @@ from omegaconf import DictConfig
 
 from orchestrator.train import data, models
 from orchestrator.errors import BadInput
-from orchestrator.precision.amp import AmpSettings
 from orchestrator.precision.policy import Policy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -56,7 +55,6 @@ def validate(cfg: DictConfig, source: str) -> None:
       f"unknown backend '{cfg.perf.compile_backend}'. Use one of {', '.join(COMPILE_BACKENDS)}.")
 
     try:  # these raise BadInput naming their key; add the file
-        AmpSettings.from_config(cfg.precision)
         Policy.from_config(cfg.precision)
         data.check_name(cfg.data.name)
         models.resolve_factory(cfg.model.name)

@@ -7,7 +7,8 @@ whether findings stop the job (`error`, exit 2), are printed (`warn`), or skippe
 import torch
 from torch import nn
 
-from orchestrator.precision.amp import AmpSettings, dtype_name
+from orchestrator.precision.amp import dtype_name
+from orchestrator.precision.mixed import bf16_unsupported
 from orchestrator.precision.policy import NORM_TYPES, Policy, plan, unmatched_rules
 
 
@@ -17,7 +18,7 @@ def _underflows(value: float, dtype: torch.dtype) -> bool:
 
 def lint(cfg, model: nn.Module) -> list[str]:
     policy = Policy.from_config(cfg.precision)
-    amp = AmpSettings.from_config(cfg.precision)
+    amp = policy.amp
     plans = plan(model, policy)
     findings = []
 
@@ -50,11 +51,10 @@ def lint(cfg, model: nn.Module) -> list[str]:
             "float16 parameters with loss scaling but without master weights: GradScaler cannot unscale "
             "float16 gradients. Fix: set precision.master_weights: true.")
 
-    wants_bf16 = policy.compute_dtype == torch.bfloat16 or any(p.param_dtype == torch.bfloat16 for p in plans.values())
-    if wants_bf16 and cfg.scaling.use_gpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        findings.append(
-            f"bfloat16 asked, but this machine's GPU ({torch.cuda.get_device_name()}) has no bfloat16 support. "
-            "Fix: use preset O1 or O2 (float16 with loss scaling).")
+    if cfg.scaling.use_gpu and torch.cuda.is_available():  # this machine's GPU; the workers check their own
+        problem = bf16_unsupported(policy, torch.device("cuda"))
+        if problem:
+            findings.append(problem)
 
     for rule in unmatched_rules(model, policy):
         findings.append(

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from orchestrator.precision.amp import dtype_name, parse_dtype
+from orchestrator.precision.amp import AmpSettings, dtype_name, parse_dtype
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 # Layers whose output autocast puts in the compute dtype (what the audit holds O1 to).
@@ -41,7 +41,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class Policy:
-    compute_dtype: torch.dtype
+    amp: AmpSettings
+    """The autocast dtype and the loss-scaling settings (parsed from the same section)."""
     param_dtype: torch.dtype
     master_weights: bool
     keep_norm_fp32: bool
@@ -49,12 +50,13 @@ class Policy:
 
     @classmethod
     def from_config(cls, precision: Any) -> "Policy":
+        """The whole `precision` section, each field parsed here once (BadInput naming the key)."""
         rules = tuple(
             Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype"))
             for i, rule in enumerate(precision.rules)
         )
         return cls(
-            compute_dtype=parse_dtype(precision.compute_dtype),
+            amp=AmpSettings.from_config(precision),
             param_dtype=parse_dtype(precision.param_dtype, "precision.param_dtype"),
             master_weights=bool(precision.master_weights),
             keep_norm_fp32=bool(precision.keep_norm_fp32),
@@ -62,8 +64,16 @@ class Policy:
         )
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.amp.compute_dtype
+
+    @property
     def autocast(self) -> bool:
-        return self.compute_dtype != torch.float32
+        return self.amp.autocast_enabled
+
+    def uses(self, dtype: torch.dtype) -> bool:
+        """Whether any layer computes or stores in `dtype` under this policy."""
+        return dtype in (self.compute_dtype, self.param_dtype) or any(rule.dtype == dtype for rule in self.rules)
 
     def with_promoted(self, layers: Sequence[str]) -> "Policy":
         """This policy with each named layer (qualified name) moved to fp32, ahead of every other rule."""

@@ -1,8 +1,9 @@
-"""Train state <-> ray.train.Checkpoint, never trusted half-written.
+"""Train state <-> a checkpoint directory, never trusted half-written. No Ray here: the worker
+adapter hands the directory to Ray Train (`orchestrator.run.worker`), a Ray-free run keeps it itself.
 
 A checkpoint directory holds, from every rank r that reported it:
-- `train_state.pt` (rank 0): fp32 weights, optimizer, scaler, schedule, counters, position,
-  the effective precision policy (promoted layers included) and the MLflow run id;
+- `train_state.pt` (rank 0): the shared part of the `TrainState` (fp32 weights, optimizer, scaler,
+  schedule, counters, position, the effective precision policy, the MLflow run id);
 - `rank<r>.pt`: that rank's RNG states and its unreported loss window;
 - `manifest_rank<r>.json`: the SHA-256 of each of those files, written last.
 A checkpoint is valid for a rank only when rank 0's and its own manifest exist and every file
@@ -16,12 +17,13 @@ import json
 import os
 import pickle
 import tempfile
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-import ray.train
 import torch
+
+from orchestrator.train.state import IncompatibleCheckpoint, TrainState
 
 STATE_FILE = "train_state.pt"
 
@@ -76,8 +78,8 @@ def write_checkpoint_files(directory: Path, rank: int, shared: Optional[dict[str
 
 @contextmanager
 def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str, Any], step: int,
-                      save: Callable[[Any, Path], None] = torch.save) -> Iterator[ray.train.Checkpoint]:
-    """Write this rank's part of a checkpoint to a temporary directory and yield it to report.
+                      save: Callable[[Any, Path], None] = torch.save) -> Iterator[Path]:
+    """Write this rank's part of a checkpoint to a temporary directory and yield it (to be reported).
 
     A failed write (ENOSPC, I/O error) removes the temporary directory and raises
     CheckpointWriteError: the previous checkpoint stays the newest, untouched.
@@ -92,7 +94,7 @@ def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str
                 f"could not write the checkpoint of step {step} on rank {rank} ({exc}).{hint} "
                 "The previous checkpoint is intact; resume from it with `python -m orchestrator.submit JOB --resume`."
             ) from exc
-        yield ray.train.Checkpoint.from_directory(tmp)
+        yield Path(tmp)
 
 
 def _verified(directory: Path, rank: int, name: str) -> Path:
@@ -110,52 +112,61 @@ def _verified(directory: Path, rank: int, name: str) -> Path:
     return path
 
 
-def read_checkpoint(directory: Path, rank: int) -> dict[str, Any]:
-    """The shared train state with this rank's own part under `"rank"` (None if this rank wrote none)."""
-    state = torch.load(_verified(directory, rank, STATE_FILE), map_location="cpu", weights_only=True)
-    own = directory / rank_file(rank)
-    state["rank"] = (torch.load(_verified(directory, rank, rank_file(rank)), map_location="cpu", weights_only=True)
-                     if own.exists() or (directory / manifest_file(rank)).exists() else None)
-    return state
+def read_checkpoint(directory: Path, rank: int) -> TrainState:
+    """The train state with this rank's own part (None if this rank wrote none)."""
+    shared = torch.load(_verified(directory, rank, STATE_FILE), map_location="cpu", weights_only=True)
+    own_file = directory / rank_file(rank)
+    own = (torch.load(_verified(directory, rank, rank_file(rank)), map_location="cpu", weights_only=True)
+           if own_file.exists() or (directory / manifest_file(rank)).exists() else None)
+    try:
+        return TrainState.from_files(shared, own)
+    except IncompatibleCheckpoint as exc:
+        raise CorruptCheckpoint(f"{directory.name}: {exc}") from None
 
 
-def candidates(checkpoint: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
-    """`checkpoint` and the older checkpoints beside it in the run's storage, newest first."""
-    from pyarrow import fs
-
-    parent, name = checkpoint.path.rstrip("/").rsplit("/", 1)
-    infos = checkpoint.filesystem.get_file_info(fs.FileSelector(parent))
-    older = sorted((i.base_name for i in infos if i.type == fs.FileType.Directory
-                    and i.base_name.startswith("checkpoint_") and i.base_name < name), reverse=True)
-    return [checkpoint] + [ray.train.Checkpoint(path=f"{parent}/{n}", filesystem=checkpoint.filesystem) for n in older]
+Candidate = tuple[str, Callable[[], "AbstractContextManager[str]"]]
+"""(where it is, for messages; a context manager opening it as a local directory), newest first."""
 
 
-def load_newest_valid(checkpoint: Optional[ray.train.Checkpoint], rank: int,
-                      agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[Optional[dict[str, Any]], list[str]]:
+def local_candidates(directory: Path) -> list[Candidate]:
+    """The checkpoints in a local run directory, newest first (a Ray-free run's own storage)."""
+    names = sorted((p.name for p in directory.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")),
+                   reverse=True) if directory.is_dir() else []
+    return [(str(directory / name), lambda name=name: _as_is(directory / name)) for name in names]
+
+
+@contextmanager
+def _as_is(path: Path) -> Iterator[str]:
+    yield str(path)
+
+
+def load_newest_valid(candidates: Sequence[Candidate], rank: int,
+                      agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[Optional[TrainState], list[str]]:
     """The newest checkpoint every rank can load, and a warning for each one skipped.
 
     `agree(ok)` returns whether every rank found its candidate valid (an all-reduce in training),
     so all ranks settle on the same checkpoint even when only one rank's file is damaged.
     """
-    if checkpoint is None:
+    if not candidates:
         return None, []
     warnings = []
-    for candidate in candidates(checkpoint):
+    for where, open_directory in candidates:
         try:
-            with candidate.as_directory() as directory:
+            with open_directory() as directory:
                 state, problem = read_checkpoint(Path(directory), rank), None
         except (CorruptCheckpoint, RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
             state, problem = None, str(exc)
         if agree(problem is None):
             return state, warnings
-        warnings.append(f"checkpoint {candidate.path} is not usable"
+        warnings.append(f"checkpoint {where} is not usable"
                         + (f" on rank {rank}: {problem}" if problem else " on another rank")
                         + "; falling back to the one before it.")
-    raise CorruptCheckpoint(f"no usable checkpoint in {checkpoint.path.rsplit('/', 1)[0]}: "
+    raise CorruptCheckpoint(f"no usable checkpoint in {candidates[0][0].rsplit('/', 1)[0]}: "
                             + " ".join(warnings) + " Start the job afresh (without --resume) or restore the files.")
 
 
-def load_model_weights(checkpoint: ray.train.Checkpoint) -> dict[str, torch.Tensor]:
-    """The fp32 model weights of a (verified) checkpoint, e.g. the run's final one."""
+def load_model_weights(checkpoint) -> dict[str, torch.Tensor]:
+    """The fp32 model weights of a (verified) checkpoint, e.g. the run's final one (anything with
+    `as_directory()`, as Ray Train's Checkpoint)."""
     with checkpoint.as_directory() as directory:
-        return read_checkpoint(Path(directory), rank=0)["model"]
+        return read_checkpoint(Path(directory), rank=0).model

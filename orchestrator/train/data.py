@@ -276,3 +276,14 @@ def build_device_loaders(
     eval_loader = DeviceLoader(device_split(test, augment=False).to(device), ShardSampler(len(test), rank, world_size),
                                batch_size=batch_size, seed=seed, rank=rank)
     return train_loader, eval_loader, train_loader
+
+
+def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device):
+    """One rank's (train loader, eval loader, position) as the job's `data` section asks: the train loader's
+    `position.set_position(epoch, batches_done, batch_size)` starts an epoch where a checkpoint left off."""
+    train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
+    shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed)
+    if cfg.data.loader == "device":  # the whole dataset on the device: batches are slices, no copies per step
+        return build_device_loaders(train_set, eval_set, augment=cfg.data.augment, device=device, **shard)
+    return build_loaders(train_set, eval_set, loader_workers=cfg.data.loader_workers,
+                         pin_memory=device.type == "cuda", **shard)

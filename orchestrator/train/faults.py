@@ -9,11 +9,9 @@
 """
 
 import os
-
 from typing import Any, Optional, Sequence
 
 import torch
-from pyarrow.fs import FileType
 from torch import nn
 
 from orchestrator.errors import BadInput
@@ -43,6 +41,8 @@ class Faults:
         if self.cfg.kill_rank != self.rank or self.cfg.at_step != step:
             return
         if self.cfg.once and self.marker_dir is not None:
+            from pyarrow.fs import FileType
+
             filesystem, directory = self.marker_dir
             marker = f"{directory}/.ampflow_fault_kill_rank{self.rank}_step{step}"
             if filesystem.get_file_info(marker).type != FileType.NotFound:

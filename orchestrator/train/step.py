@@ -1,31 +1,24 @@
 """One rank's training step and what surrounds it, without Ray.
 
-`train_step` (autocast forward, scaled backward, the guarded optimizer step), `after_step` (its
-bookkeeping), `evaluate` (loss and
-accuracy reduced over all ranks), the loss/throughput `Window`, the first step's precision audit,
-memory peaks and what a collapsed loss scale does. `orchestrator.run.worker.train_loop` drives them
-under Ray Train; benchmarks and tests call them directly, also where Ray is not installed.
+`train_step` (forward, backward, step: the `Precision` object does the rest), `after_step` (its
+bookkeeping), `evaluate` (loss and accuracy reduced over all ranks), the loss/throughput `Window`,
+memory peaks and what a collapsed loss scale does. `orchestrator.train.loop` drives them.
 """
 
 import time
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from orchestrator import precision
+from orchestrator.precision import LossScaleCollapsed, StepOutcome
 from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
-from orchestrator.precision import AmpSettings, LossScaleCollapsed, StepOutcome, autocast_context
-from orchestrator.train.training import PreparedModel, Training
+from orchestrator.train.state import TrainState
+from orchestrator.train.training import Training
 
 if TYPE_CHECKING:
     from orchestrator.train.faults import Faults
-
-
-class PolicyNotHonoured(RuntimeError):
-    """A layer did not store or compute in the dtype its precision rule promised."""
 
 
 def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -83,30 +76,20 @@ class Window:
         return metrics
 
 
-def train_step(training: Training, inputs, targets, amp: AmpSettings, device: torch.device, step: int,
-               faults: "Faults | None" = None) -> tuple[torch.Tensor, StepOutcome]:
-    """One optimizer step under autocast; the guarded scaler steps or skips it the same on every rank."""
-    model, masters, ledger = training.prepared.model, training.prepared.masters, training.ledger
+def train_step(training: Training, inputs, targets, device: torch.device, step: int,
+               faults: "Optional[Faults]" = None) -> tuple[torch.Tensor, StepOutcome]:
+    """One optimizer step: forward, backward, step; the same decision (step or skip) on every rank."""
+    model, precision = training.prepared.model, training.precision
     inputs, targets = training.prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
-    recording = ledger.probe.recording() if ledger.probe is not None else nullcontext()  # first step only
-    with autocast_context(amp, device.type), recording:
+    with precision.forward():
         loss = F.cross_entropy(model(inputs).float(), targets)
     if faults is not None:
         loss = faults.loss(step, loss)
     training.optimizer.zero_grad(set_to_none=True)
-    training.guard.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
-    ledger.record_backward()
-    if masters:
-        masters.grads_to_masters()  # the optimizer (and the unscale) works on fp32 copies
+    precision.backward(loss)
     if faults is not None:
-        faults.gradients(step, training.named_tensors)
-    outcome = training.guard.step(training.optimizer, loss, step, training.named_tensors)
-    if outcome.stepped:
-        if masters:
-            masters.masters_to_params()
-        if not ledger.complete:
-            ledger.record_state(training.optimizer, masters)
-    return loss, outcome
+        faults.gradients(step, precision.named_tensors)
+    return loss, precision.step(training.optimizer, loss, step)
 
 
 def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, batch_size: int, window: "Window",
@@ -114,10 +97,10 @@ def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, bat
     """The bookkeeping after every step: the first step's audit and memory table (into `pending`, the next
     report), compilation once audited (`perf.compile`), the LR schedule and the loss window."""
     close_audit(training, pending)
-    training.prepared.compile_when_audited()  # from the second step of a (re)built model
-    table = training.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
+    training.prepared.compile_when(training.precision.audited)  # from the second step of a (re)built model
+    table = training.precision.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
     if table is not None:
-        pending.update({"memory/breakdown": table, **training.ledger.metrics()})
+        pending.update({"memory/breakdown": table, **training.precision.ledger.metrics()})
     if training.scheduler is not None:
         training.scheduler.step()
     if not outcome.nan_loss:
@@ -125,8 +108,9 @@ def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, bat
 
 
 @torch.no_grad()
-def evaluate(prepared: PreparedModel, loader, amp: AmpSettings, device: torch.device) -> dict[str, float]:
+def evaluate(training: Training, loader, device: torch.device) -> dict[str, float]:
     """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
+    prepared, precision = training.prepared, training.precision
     model = prepared.model
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -134,7 +118,7 @@ def evaluate(prepared: PreparedModel, loader, amp: AmpSettings, device: torch.de
     count = 0
     for inputs, targets in loader:
         inputs, targets = prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
-        with autocast_context(amp, device.type):
+        with precision.forward():
             logits = model(inputs)
         loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").double()
         correct += (logits.argmax(dim=1) == targets).sum()
@@ -146,15 +130,9 @@ def evaluate(prepared: PreparedModel, loader, amp: AmpSettings, device: torch.de
 
 def close_audit(training: Training, into: dict[str, Any]) -> None:
     """After the first forward pass under a (new) policy: what each layer really stored and computed in."""
-    audit = training.prepared.audit
-    if audit is None or not audit.outputs:
-        return
-    entries = audit.close()
-    training.prepared.audit = None
-    problems = precision.broken_promises(entries)
-    if problems:
-        raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
-    into["precision/audit"] = entries
+    entries = training.precision.close_audit()
+    if entries is not None:
+        into["precision/audit"] = entries
 
 
 def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:
@@ -169,28 +147,30 @@ def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, 
 
 
 def recover_from_collapse(training: Training, outcome: StepOutcome, step: int, on_collapse: str,
-                          last_good: dict[str, Any] | None, rebuild) -> tuple[Training, dict[str, str]]:
+                          last_good: Optional[TrainState], rebuild: Callable[[TrainState], Training]
+                          ) -> tuple[Training, dict[str, str]]:
     """Act on a collapsed loss scale (the same on every rank: the flags were agreed).
 
     Returns the training to go on with and the run tags to set; raises for `abort`.
     """
-    layers = training.guard.overflowing_layers()
+    guard = training.precision.guard
+    layers = guard.overflowing_layers()
     message = f"loss scale collapsed at step {step}: {outcome.collapse}; overflowing layers: " \
               f"{', '.join(layers) or 'none identified'}"
     if on_collapse == "abort" or (on_collapse == "promote" and not layers):
         raise LossScaleCollapsed(f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or set "
                                  "precision.scaler.on_collapse: promote | rollback.")
     tags = {}
-    if on_collapse == "promote":
-        state = training.capture()
-        state.pop("scaler")  # a fresh scale: the layers that overflowed are fp32 now
-        state["promoted"] = list(dict.fromkeys(training.promoted + layers))
-        tags["precision.promoted"] = ",".join(state["promoted"])
+    now = training.capture()
+    if on_collapse == "promote":  # a fresh scale: the layers that overflowed are fp32 now
+        now.scaler, now.promoted = None, list(dict.fromkeys(training.promoted + layers))
+        state = now
+        tags["precision.promoted"] = ",".join(state.promoted)
     else:  # rollback: the last good weights, optimizer and scale; time (step, schedule) goes on
-        now = training.capture()
-        state = {**last_good, **{key: now[key] for key in ("scheduler", "counters", "promoted")}}
+        state = last_good.detached()
+        state.scheduler, state.counters, state.promoted = now.scheduler, now.counters, now.promoted
     rebuilt = rebuild(state)
-    if training.guard.rank == 0:
-        rebuilt.guard.overflow_log.append({"step": step, "event": "collapse", "action": on_collapse,
-                                           "reason": outcome.collapse, "layers": layers})
+    if guard.rank == 0:
+        rebuilt.precision.guard.overflow_log.append({"step": step, "event": "collapse", "action": on_collapse,
+                                                     "reason": outcome.collapse, "layers": layers})
     return rebuilt, tags

@@ -1,0 +1,66 @@
+"""The training loop in plain processes, without Ray: for tests, benchmarks and machines without Ray.
+
+`LocalSession` keeps reports in memory and checkpoints in a local directory (each rank adds its files
+to `<directory>/<checkpoint name>`, as Ray Train's storage does). `spawn()` runs a job on `world_size`
+processes of `torch.multiprocessing` joined by gloo (or NCCL on GPUs) through a file rendezvous, and
+returns rank 0's reports and final fp32 weights.
+"""
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.train.checkpoint import Candidate, local_candidates
+
+
+class LocalSession:
+    def __init__(self, rank: int, world_size: int, device: torch.device, directory: Path):
+        self.rank, self.world_size, self.device, self.directory = rank, world_size, device, Path(directory)
+        self.reports: list[dict[str, Any]] = []
+
+    def report(self, metrics: dict[str, Any], checkpoint: Optional[Path] = None,
+               checkpoint_name: Optional[str] = None) -> None:
+        if checkpoint is not None:
+            shutil.copytree(checkpoint, self.directory / checkpoint_name, dirs_exist_ok=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # as ray.train.report: a checkpoint is complete on every rank before anyone goes on
+        self.reports.append(metrics)
+
+    def checkpoints(self) -> list[Candidate]:
+        return local_candidates(self.directory)
+
+    def fault_marker_dir(self) -> None:
+        return None
+
+
+def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, result: str) -> None:
+    from omegaconf import OmegaConf
+
+    from orchestrator.train.loop import TrainingLoop
+
+    cfg = OmegaConf.create(job)
+    use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if use_gpu else torch.device("cpu")
+    dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"file://{directory}/rendezvous",
+                            rank=rank, world_size=world_size)
+    try:
+        session = LocalSession(rank, world_size, device, Path(directory) / "checkpoints")
+        training = TrainingLoop(cfg, session).run()
+        if rank == 0:
+            torch.save({"reports": session.reports, "weights": training.precision.fp32_state_dict()}, result)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(job: dict[str, Any], world_size: int, directory: Path) -> dict[str, Any]:
+    """Train a resolved job (a plain dict: `OmegaConf.to_container(cfg, resolve=True)`) on `world_size` local
+    processes; returns rank 0's `reports` and final fp32 `weights`. Checkpoints go to `directory/checkpoints`."""
+    import torch.multiprocessing as mp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    result = directory / "rank0.pt"
+    mp.spawn(_rank_main, args=(job, world_size, str(directory), str(result)), nprocs=world_size, join=True)
+    return torch.load(result, weights_only=False)

@@ -1,0 +1,193 @@
+"""The training loop of one rank, top to bottom, without Ray.
+
+Build the data, restore the newest checkpoint every rank can read, build the model under its
+precision, then for each epoch: steps (`train_step` + `after_step`), a report every
+`tracking.log_every_n_steps` steps, a mid-epoch checkpoint every `checkpoint.every_n_steps`, and at
+the epoch's end evaluation, memory peaks and a checkpoint. A collapsed loss scale is acted on as
+`precision.scaler.on_collapse` says.
+
+What belongs to the runtime is behind `Session`: where reports and checkpoints go, which checkpoints
+exist to resume from, where faults leave their markers. Ray Train's worker (`orchestrator.run.worker`)
+is one session; `orchestrator.train.local` runs the same loop in plain processes (tests, benchmarks).
+"""
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from orchestrator.train import rng
+from orchestrator.train.checkpoint import Candidate, dir_name, load_newest_valid, staged_checkpoint
+from orchestrator.train.data import build_rank_loaders
+from orchestrator.train.faults import Faults
+from orchestrator.train.rng import seed_everything
+from orchestrator.train.state import RankState, TrainState
+from orchestrator.train.step import (
+    Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, recover_from_collapse, train_step,
+)
+from orchestrator.train.training import Training, Wrap, build_training
+
+
+class Session(Protocol):
+    """What the loop needs from the runtime it runs in."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def report(self, metrics: dict[str, Any], checkpoint: Optional[Path] = None,
+               checkpoint_name: Optional[str] = None) -> None:
+        """Hand over a report (every rank calls it), with this rank's part of a checkpoint when given."""
+
+    def checkpoints(self) -> list[Candidate]:
+        """The run's checkpoints to resume from, newest first ([] for a fresh run)."""
+
+    def fault_marker_dir(self) -> Optional[tuple[Any, str]]:
+        """(pyarrow filesystem, directory) where `faults.once` leaves its marker; None: no marker."""
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
+
+
+class TrainingLoop:
+    def __init__(self, cfg, session: Session, *, run_id: Optional[str] = None, launched_at: Optional[float] = None,
+                 wrap: Optional[Wrap] = None):
+        """`run_id`: the MLflow run (kept in checkpoints). `launched_at`: when submit began (wall clock), for
+        `perf/time_to_first_step_s`. `wrap`: how the model is wrapped for data parallelism (default: DDP)."""
+        self.cfg, self.session, self.run_id, self.launched_at, self.wrap = cfg, session, run_id, launched_at, wrap
+        self.rank, self.world_size, self.device = session.rank, session.world_size, session.device
+        self.pending: dict[str, Any] = {}
+        """Metrics, tables and tags for the next report."""
+        self.global_step = 0
+
+    def run(self) -> Training:
+        cfg, rank, device = self.cfg, self.rank, self.device
+        seed_everything(cfg.run.seed + rank)
+        faults = Faults(cfg.faults, rank, self.session.fault_marker_dir())
+        on_collapse, every_n_steps = cfg.precision.scaler.on_collapse, cfg.checkpoint.every_n_steps
+
+        # Data: every rank sees its own shard of the training set and of the eval set.
+        train_loader, eval_loader, position = build_rank_loaders(cfg, rank, self.world_size, device)
+        self.steps_per_epoch = len(train_loader)
+        if cfg.run.max_steps_per_epoch is not None:
+            self.steps_per_epoch = min(self.steps_per_epoch, cfg.run.max_steps_per_epoch)
+        self.total_steps = self.steps_per_epoch * cfg.run.epochs
+
+        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), then the model
+        # under its precision, the optimizer, the schedule and the loss scaler, built from it.
+        agree = lambda ok: all_reduce([float(ok)], device, op=dist.ReduceOp.MIN)[0] == 1.0  # noqa: E731
+        state, warnings = load_newest_valid(self.session.checkpoints(), rank, agree)
+        self.attempt = int(all_reduce([time.time() * 1000 if rank == 0 else 0.0], device)[0])  # rank 0's clock
+        self.training = self.build(state)
+        self.window = Window(device)
+        start_epoch, batches_done = self.resume_position(state, warnings)
+        # What `on_collapse: rollback` returns to: the last checkpoint (or the start), kept on the CPU.
+        self.last_good = self.training.capture().detached() if on_collapse == "rollback" else None
+
+        for epoch in range(start_epoch, cfg.run.epochs):
+            first = batches_done if epoch == start_epoch else 0
+            position.set_position(epoch, first, cfg.run.batch_size)
+            for step_in_epoch, (inputs, targets) in enumerate(train_loader, start=first):
+                if step_in_epoch >= self.steps_per_epoch:
+                    break
+                self.global_step += 1
+                faults.kill(self.global_step)
+                loss, outcome = train_step(self.training, inputs, targets, device, self.global_step, faults)
+                if self.global_step == 1 and self.launched_at is not None:  # a fresh run's first step
+                    self.pending["perf/time_to_first_step_s"] = time.time() - self.launched_at
+                after_step(self.training, loss, outcome, targets.numel(), self.window, self.pending)
+                if outcome.collapse is not None:
+                    self.training, tags = recover_from_collapse(self.training, outcome, self.global_step, on_collapse,
+                                                                self.last_good, self.build)
+                    self.pending.setdefault("tags", {}).update(tags)
+
+                log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
+                # Mid-epoch checkpoints only: the epoch's last step is checkpointed after its evaluation.
+                checkpoint_due = every_n_steps is not None and self.global_step % every_n_steps == 0 \
+                    and step_in_epoch + 1 < self.steps_per_epoch
+                if log_due or checkpoint_due:
+                    metrics = {**self.progress(epoch), **(self.read_window() if log_due else {})}
+                    self.report(metrics, (epoch, step_in_epoch + 1) if checkpoint_due else None)
+
+            # End of epoch: the rest of the window, evaluation, memory, and a checkpoint when due.
+            last_epoch = epoch + 1 == cfg.run.epochs
+            metrics = {**self.progress(epoch), **self.training.precision.guard.end_epoch()}
+            if self.window.samples:
+                metrics.update(self.read_window())
+            if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
+                metrics.update(evaluate(self.training, eval_loader, device))
+                close_audit(self.training, metrics)  # a policy changed on the epoch's last step shows in eval
+            metrics.update(memory_peaks(rank, self.world_size, device))
+            metrics.update({"memory/params_bytes": float(self.training.prepared.params_bytes),
+                            **self.training.precision.ledger.metrics()})
+            checkpoint_due = last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
+            self.report(metrics, (epoch, self.steps_per_epoch) if checkpoint_due else None)
+        return self.training
+
+    # -- building and resuming ----------------------------------------------------------------------
+
+    def build(self, state: Optional[TrainState]) -> Training:
+        return build_training(self.cfg, self.device, rank=self.rank, world_size=self.world_size,
+                              total_steps=self.total_steps, state=state, wrap=self.wrap)
+
+    def resume_position(self, state: Optional[TrainState], warnings: list[str]) -> tuple[int, int]:
+        """Exactly where the checkpoint left off (position, RNG, the unreported loss window); (0, 0) afresh.
+
+        The checkpoint's own report is sent again (logged once: the driver drops steps it already has), in
+        case the driver that died had not logged it yet; and what was skipped on the way back.
+        """
+        if state is None:
+            return 0, 0
+        epoch, batches_done, self.global_step = state.epoch, state.batches_done, state.global_step
+        if batches_done >= self.steps_per_epoch:
+            epoch, batches_done = epoch + 1, 0
+        if state.rank is not None:
+            rng.restore(state.rank.rng)
+            self.window.load_state(state.rank.window)
+        if state.precision != OmegaConf.to_container(self.cfg.precision):
+            warnings.append("the job's precision section differs from the one the checkpoint was trained with.")
+        self.session.report({**state.report, "warnings": warnings,
+                             "tags": {"resumed_from_step": str(self.global_step)}} if self.rank == 0 else {})
+        return epoch, batches_done
+
+    # -- reports ------------------------------------------------------------------------------------
+
+    def progress(self, epoch: int) -> dict[str, Any]:
+        """Where the run is, the loss-scale telemetry, and whatever is pending (taken now)."""
+        guard = self.training.precision.guard
+        metrics = {"epoch": epoch + 1, "epochs": self.cfg.run.epochs, "step": self.global_step,
+                   "total_steps": self.total_steps, **guard.metrics(), "amp/overflow_log": guard.drain_overflow_log(),
+                   **self.pending}
+        self.pending = {}
+        return metrics
+
+    def read_window(self) -> dict[str, float]:
+        metrics = self.window.read()
+        self.training.precision.guard.check_loss_window(metrics["train/loss"], self.global_step)
+        return metrics
+
+    def report(self, metrics: dict[str, Any], checkpoint_at: Optional[tuple[int, int]] = None) -> None:
+        """Report; with `checkpoint_at=(epoch, batches_done)` every rank also saves its part of a checkpoint.
+        The time it takes is left out of `perf/samples_per_s`."""
+        began = time.perf_counter()
+        if checkpoint_at is None:
+            self.session.report(metrics)
+        else:
+            own = RankState(rng.capture(), self.window.state())
+            state = None
+            if self.rank == 0 or self.last_good is not None:  # other ranks need it only as a rollback snapshot
+                state = self.training.capture().at(
+                    epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
+                    precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id,
+                    report=scalars(metrics), rank=own)
+            if self.last_good is not None:
+                self.last_good = state.detached()
+            shared = state.to_files()[0] if self.rank == 0 else None
+            with staged_checkpoint(self.rank, shared, asdict(own), self.global_step) as directory:
+                self.session.report(metrics, directory, dir_name(self.global_step, self.attempt))
+        self.window.exclude_since(began)
