@@ -3,12 +3,11 @@
 What is compared (one process, no Ray, fp16 autocast + dynamic loss scaling, preset O1, the same
 model, weights, batches and optimizer):
 
-- `full`: what a worker does per step apart from data loading and DDP: the worker's `train_step`
+- `full`: what a worker does per step apart from data loading and DDP: the loop's `train_step`
   (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector and read
-  once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step overflows),
-  the loss `Window` (`add` every step), and every `--log-every` steps a report assembled the way
-  the worker assembles it (`guard.metrics()`, the drained overflow log, `Window.read()` with
-  `check_loss_window`). On Ray the report then goes to `ray.train.report`; here it goes to a list,
+  once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step overflows)
+  and `after_step` (the loss `Window` among it), and every `--log-every` steps a report made of the
+  loop's own `scale_telemetry` and `read_window`. On Ray the report then goes to `ray.train.report`; here it goes to a list,
   because what happens after is Ray's cost and MLflow's, not the loop's.
 - `none`: `torch.autocast` + `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`.
 
@@ -115,10 +114,8 @@ def main(argv=None) -> int:
         loss, outcome = loop.train_step(training, inputs, targets, device, global_step)
         loop.after_step(training, loss, outcome, targets.numel(), window, {})
         if global_step % args.log_every == 0:  # the worker's periodic report, minus ray.train.report itself
-            metrics = window.read()
-            training.precision.guard.check_loss_window(metrics["train/loss"], global_step)
-            sink.append({"step": global_step, **training.precision.guard.metrics(),
-                         "amp/overflow_log": training.precision.guard.drain_overflow_log(), **metrics})
+            sink.append({"step": global_step, **loop.scale_telemetry(training),
+                         **loop.read_window(training, window, global_step)})
 
     def bare_step() -> None:
         inputs, targets = next(bare_batches)

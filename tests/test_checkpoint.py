@@ -37,7 +37,7 @@ def save(run_dir: Path, step: int, ranks=(0, 1)) -> Path:
 
 
 def newest(run_dir: Path):
-    """The candidates as the Ray Train worker sees them: Ray's newest checkpoint, then the older ones beside it."""
+    """The candidates as the Ray Train worker sees them, Ray's newest registered checkpoint given."""
     return ray_candidates(ray.train.Checkpoint(path=str(sorted(run_dir.iterdir())[-1])))
 
 
@@ -147,3 +147,11 @@ def test_a_checkpoint_this_version_cannot_read_is_refused_clearly(tmp_path, chan
         read_checkpoint(directory, rank=0)
     with pytest.raises(CorruptCheckpoint, match="no usable checkpoint"):
         load_newest_valid(local_candidates(tmp_path), rank=0)
+
+
+def test_a_newer_checkpoint_that_ray_never_registered_is_resumed_from(tmp_path):
+    # The driver died after the workers wrote checkpoint 8 but before Ray registered it: Ray names 4.
+    registered = save(tmp_path, 4)
+    save(tmp_path, 8)
+    state, warnings = load_newest_valid(ray_candidates(ray.train.Checkpoint(path=str(registered))), rank=0)
+    assert state.global_step == 8 and warnings == []

@@ -42,17 +42,18 @@ class RaySession:
 
 
 def ray_candidates(checkpoint: Optional[ray.train.Checkpoint]) -> list[Candidate]:
-    """`checkpoint` (Ray Train's newest) and the older checkpoints beside it in the run's storage, newest first."""
+    """Every checkpoint in the run's storage beside `checkpoint` (Ray Train's newest registered one), newest
+    first. A driver that died may have left a newer complete checkpoint that Ray never registered: its
+    manifests vouch for it as for any other, and resuming there loses fewer steps."""
     if checkpoint is None:
         return []
     from pyarrow import fs
 
-    parent, name = checkpoint.path.rstrip("/").rsplit("/", 1)
+    parent = checkpoint.path.rstrip("/").rsplit("/", 1)[0]
     infos = checkpoint.filesystem.get_file_info(fs.FileSelector(parent))
-    older = sorted((i.base_name for i in infos if i.type == fs.FileType.Directory
-                    and i.base_name.startswith("checkpoint_") and i.base_name < name), reverse=True)
-    checkpoints = [checkpoint] + [ray.train.Checkpoint(path=f"{parent}/{n}", filesystem=checkpoint.filesystem)
-                                  for n in older]
+    names = sorted((i.base_name for i in infos if i.type == fs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_")), reverse=True)
+    checkpoints = [ray.train.Checkpoint(path=f"{parent}/{n}", filesystem=checkpoint.filesystem) for n in names]
     return [(c.path, c.as_directory) for c in checkpoints]
 
 

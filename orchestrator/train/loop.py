@@ -27,7 +27,8 @@ from orchestrator.train.faults import Faults
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import (
-    Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, recover_from_collapse, train_step,
+    Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, read_window, recover_from_collapse,
+    scale_telemetry, train_step,
 )
 from orchestrator.train.training import Training, Wrap, build_training
 
@@ -111,14 +112,15 @@ class TrainingLoop:
                 checkpoint_due = every_n_steps is not None and self.global_step % every_n_steps == 0 \
                     and step_in_epoch + 1 < self.steps_per_epoch
                 if log_due or checkpoint_due:
-                    metrics = {**self.progress(epoch), **(self.read_window() if log_due else {})}
+                    metrics = {**self.progress(epoch),
+                               **(read_window(self.training, self.window, self.global_step) if log_due else {})}
                     self.report(metrics, (epoch, step_in_epoch + 1) if checkpoint_due else None)
 
             # End of epoch: the rest of the window, evaluation, memory, and a checkpoint when due.
             last_epoch = epoch + 1 == cfg.run.epochs
             metrics = {**self.progress(epoch), **self.training.precision.guard.end_epoch()}
             if self.window.samples:
-                metrics.update(self.read_window())
+                metrics.update(read_window(self.training, self.window, self.global_step))
             if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
                 metrics.update(evaluate(self.training, eval_loader, device))
                 close_audit(self.training, metrics)  # a policy changed on the epoch's last step shows in eval
@@ -159,16 +161,9 @@ class TrainingLoop:
 
     def progress(self, epoch: int) -> dict[str, Any]:
         """Where the run is, the loss-scale telemetry, and whatever is pending (taken now)."""
-        guard = self.training.precision.guard
         metrics = {"epoch": epoch + 1, "epochs": self.cfg.run.epochs, "step": self.global_step,
-                   "total_steps": self.total_steps, **guard.metrics(), "amp/overflow_log": guard.drain_overflow_log(),
-                   **self.pending}
+                   "total_steps": self.total_steps, **scale_telemetry(self.training), **self.pending}
         self.pending = {}
-        return metrics
-
-    def read_window(self) -> dict[str, float]:
-        metrics = self.window.read()
-        self.training.precision.guard.check_loss_window(metrics["train/loss"], self.global_step)
         return metrics
 
     def report(self, metrics: dict[str, Any], checkpoint_at: Optional[tuple[int, int]] = None) -> None:

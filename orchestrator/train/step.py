@@ -107,6 +107,19 @@ def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, bat
         window.add(loss, batch_size)
 
 
+def read_window(training: Training, window: Window, step: int) -> dict[str, float]:
+    """The loss window, reduced over all ranks and reset; a non-finite loss there fails as configured."""
+    metrics = window.read()
+    training.precision.guard.check_loss_window(metrics["train/loss"], step)
+    return metrics
+
+
+def scale_telemetry(training: Training) -> dict[str, Any]:
+    """The loss scale's `amp/*` metrics and the overflow records since the last report (taken now)."""
+    guard = training.precision.guard
+    return {**guard.metrics(), "amp/overflow_log": guard.drain_overflow_log()}
+
+
 @torch.no_grad()
 def evaluate(training: Training, loader, device: torch.device) -> dict[str, float]:
     """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
