@@ -102,8 +102,10 @@ def build_model(model_cfg) -> nn.Module:
         kwargs.setdefault("num_classes", model_cfg.num_classes)
     try:
         model = factory(**kwargs)
-    except TypeError as exc:
-        raise BadInput(f"model.kwargs: cannot build '{model_cfg.name}' with {kwargs}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure here comes from the job's values (num_classes=-1: RuntimeError)
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise BadInput(f"model.kwargs: cannot build '{model_cfg.name}' (model.name) with {kwargs}: "
+                       f"{type(exc).__name__}: {first_line}. Fix model.kwargs or model.num_classes.") from None
     if not isinstance(model, nn.Module):
         raise BadInput(f"model.name: '{model_cfg.name}' returned {type(model).__name__}, not a torch.nn.Module.")
     return model
