@@ -11,7 +11,11 @@ import re
 from typing import Any, Mapping, Optional
 
 SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
-MIN_SECRET_LENGTH = 6  # shorter values ("1", "true", "none") would blank out ordinary text
+# A value this long is masked wherever it appears; a shorter one only where it stands alone (not inside a
+# longer word or number), so a secret "pw1" masks `experiment: pw1` but not "pw123" or "apw1".
+MIN_ANYWHERE_LENGTH = 6
+# Switches, not credentials: TOKENIZERS_PARALLELISM=false would otherwise blank every "false" in a config.
+NOT_SECRETS = frozenset({"0", "1", "true", "false", "yes", "no", "on", "off", "none", "null"})
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
 MASK = "***"
 
@@ -22,7 +26,7 @@ def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     # its own): take the names at once, then skip any that vanished before its value was read.
     found = ((name, environ.get(name)) for name in list(environ))
     values = {value for name, value in found
-              if value is not None and SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH}
+              if value and SECRET_NAME.search(name) and value.strip().lower() not in NOT_SECRETS}
     return sorted(values, key=len, reverse=True)  # longest first: a secret containing another is masked whole
 
 
@@ -38,7 +42,10 @@ def redact_all(value: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
 def _masked(text: str, secrets: list[str]) -> str:
     text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
     for value in secrets:
-        text = text.replace(value, MASK)
+        if len(value) >= MIN_ANYWHERE_LENGTH:
+            text = text.replace(value, MASK)
+        elif value in text:
+            text = re.sub(rf"(?<![0-9A-Za-z]){re.escape(value)}(?![0-9A-Za-z])", MASK, text)
     return text
 
 
