@@ -65,6 +65,8 @@ def test_mlflows_own_view_run_line_and_log_records_are_redacted(server, tmp_path
     console = out.stdout + out.stderr
     assert out.returncode == 1, console
     assert "View run" in out.stdout and "http://ampflow:***@127.0.0.1" in out.stdout, console
+    assert "password *** in pieces" in out.stdout and "uri=http://ampflow:***@" in out.stdout
+    assert "tracking at http://ampflow:***@" in out.stderr and "with ***" in out.stderr
     assert "early handler: http://ampflow:***@" in out.stderr and "cannot reach http://ampflow:***@" in out.stderr
     assert "exit with http://ampflow:***@" in out.stderr
     assert "s3cret" not in console and "pw123" not in console

@@ -39,7 +39,9 @@ def outcomes(tmp_path_factory):
         else:
             path.write_text(yaml.safe_dump(job))
         argvs[name] = [str(path), *overrides, f"data.root={workdir / 'data'}"]
-    return run_mains("orchestrator.cli.submit", argvs, workdir)
+    results = run_mains("orchestrator.cli.submit", argvs, workdir)
+    results["escaped"] = sorted(p.name for p in workdir.parent.glob("ESCAPED*"))
+    return results
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -54,6 +56,7 @@ def test_untrusted_job_file_exits_2_naming_the_key_and_does_nothing(outcomes, na
 
 
 def test_refusals_say_what_to_do(outcomes):
+    assert outcomes["escaped"] == [], "run.name=../../ESCAPED must write nothing beside the job's directory"
     assert "standard library" in outcomes["os_system"]["stderr"]
     assert "own code" in outcomes["os_system"]["stderr"]
     assert "must not start with '.'" in outcomes["run_name_hidden"]["stderr"]
