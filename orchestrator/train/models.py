@@ -100,9 +100,10 @@ def build_model(model_cfg) -> nn.Module:
     kwargs = dict(model_cfg.kwargs)
     if model_cfg.num_classes is not None and _accepts(factory, "num_classes"):
         kwargs.setdefault("num_classes", model_cfg.num_classes)
+    # Any failure here comes from the job's values (num_classes=-1 is a RuntimeError): bad input, not a crash.
     try:
         model = factory(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - any failure here comes from the job's values (num_classes=-1: RuntimeError)
+    except Exception as exc:  # noqa: BLE001
         first_line = (str(exc).strip().splitlines() or [""])[0]
         raise BadInput(f"model.kwargs: cannot build '{model_cfg.name}' (model.name) with {kwargs}: "
                        f"{type(exc).__name__}: {first_line}. Fix model.kwargs or model.num_classes.") from None
