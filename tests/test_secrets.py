@@ -23,7 +23,7 @@ class VanishingEnviron(Mapping):
 
 def test_secret_values_are_masked_longest_first():
     environ = {"HF_TOKEN": "abcdef123", "DB_PASSWORD": "abcdef123456", "SHORT_TOKEN": "ab", "HOME": "/root/abcdef123"}
-    assert secret_values(environ) == ["abcdef123456", "abcdef123"]
+    assert secret_values(environ) == ["abcdef123456", "abcdef123", "ab"]
     assert redact("pw=abcdef123456 tok=abcdef123 home=/root", environ) == f"pw={MASK} tok={MASK} home=/root"
 
 
@@ -37,3 +37,24 @@ def test_uri_password_and_nested_values_are_masked():
 def test_a_variable_removed_while_reading_is_skipped():
     environ = VanishingEnviron({"RUN_SECRET": "s3cr3t-value"}, vanishing="_MLFLOW_TELEMETRY_SESSION_ID")
     assert redact_all({"a": "s3cr3t-value"}, environ) == {"a": MASK}
+
+
+def test_a_short_secret_is_masked_where_it_stands_alone_and_nowhere_else():
+    environ = {"AWS_SECRET_ACCESS_KEY": "pw123", "PGPASSWORD": "ab"}
+    assert redact("experiment: pw123", environ) == f"experiment: {MASK}"
+    assert redact("uri: db://pw123@host/x?k='pw123'", environ) == f"uri: db://{MASK}@host/x?k='{MASK}'"
+    assert redact("name: pw123_backup, other: x-ab", environ) == f"name: {MASK}_backup, other: x-{MASK}"
+    # Inside an ordinary word it is text, not the secret: "about", "tab", "pw1234" stay.
+    assert redact("about the tab pw1234 xpw123", environ) == "about the tab pw1234 xpw123"
+
+
+def test_a_long_secret_is_masked_even_inside_other_text():
+    environ = {"HF_TOKEN": "abcdef123"}
+    assert redact("prefix-xabcdef123y", environ) == f"prefix-x{MASK}y"
+
+
+def test_switches_are_not_secrets():
+    # TOKENIZERS_PARALLELISM=false names TOKEN but is a switch: masking every "false" would blank the config.
+    environ = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "NO_PASSWORD": "yes"}
+    assert secret_values(environ) == []
+    assert redact("log_model: false\nepochs: 1\nresume: yes", environ) == "log_model: false\nepochs: 1\nresume: yes"

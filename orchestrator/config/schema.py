@@ -16,7 +16,7 @@ class ModelSection:
     name: str = MISSING
     """Registry name (`simple_cnn`, `resnet18`) or an import path `package.module:Name`."""
     num_classes: int = 10
-    """Size of the classifier's output layer."""
+    """Size of the classifier's output layer (>= 1)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the model's constructor."""
 
@@ -190,7 +190,8 @@ class PerfSection:
 @dataclass
 class RunSection:
     name: Optional[str] = None
-    """Name of the Ray Train run and the MLflow run; defaults to `<job file stem>-<timestamp>`."""
+    """Name of the Ray Train run and the MLflow run; defaults to `<job file stem>-<timestamp>`.
+    Letters, digits, `.`, `_`, `-`, not starting with `.`: it names a directory under `checkpoint.storage_path`."""
     epochs: int = 1
     """Passes over the training set."""
     batch_size: int = 64

@@ -1,6 +1,7 @@
 """Range and name checks the schema's types cannot express; each error names its key."""
 
 import math
+import re
 
 from omegaconf import DictConfig
 
@@ -17,6 +18,8 @@ LOADERS = ("dataloader", "device")
 OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 COMM_HOOKS = ("none", "fp16", "bf16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
+# A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 def _require(ok: bool, source: str, key: str, message: str) -> None:
@@ -30,6 +33,11 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.scaling.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {cfg.scaling.num_workers}.")
     for name, amount in cfg.scaling.resources_per_worker.items():
         r(amount >= 0, f"scaling.resources_per_worker.{name}", f"must be >= 0, got {amount}.")
+    r(cfg.model.num_classes >= 1, "model.num_classes", f"must be >= 1, got {cfg.model.num_classes}.")
+    name = cfg.run.name
+    r(name is None or RUN_NAME.fullmatch(name) is not None, "run.name",
+      f"'{name}' is not a safe run name: use only letters, digits, '.', '_' and '-', and it must not start "
+      "with '.' (the name becomes a directory under checkpoint.storage_path).")
     r(cfg.run.epochs >= 1, "run.epochs", f"must be >= 1, got {cfg.run.epochs}.")
     r(cfg.run.batch_size >= 1, "run.batch_size", f"must be >= 1, got {cfg.run.batch_size}.")
     r(cfg.run.eval_every_n_epochs >= 1, "run.eval_every_n_epochs", "must be >= 1.")

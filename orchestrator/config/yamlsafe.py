@@ -61,6 +61,9 @@ def parse_value(text: str):
 
 def load_yaml_mapping(path: Path, what: str = "job file") -> dict:
     """Parse `path` and return its top-level mapping (empty file -> {})."""
+    if path.is_dir():
+        raise BadInput(f"{what} {path} is a directory, not a file. "
+                       f"Give the YAML file inside it (e.g. {path}/job.yaml).")
     if not path.is_file():
         raise BadInput(f"{what} not found: {path}. Check the path (it is relative to {Path.cwd()}).")
     try:

@@ -4,14 +4,24 @@ Every string ampflow logs to MLflow (params, tags, the resolved config, JSON art
 goes through `redact()`: the value of any environment variable whose name says it is a secret
 (`*TOKEN*`, `*PASSWORD*`, `*SECRET*`, `*API_KEY*`, ...) becomes `***`, and so does the password of
 a URI's `user:password@`. A job can therefore use `${oc.env:...}` for credentials safely.
+
+What other code prints (MLflow's own "View run ... at: <tracking URI>" line, library log records,
+tracebacks) is redacted once `install_console_redaction()` has run in the process.
 """
 
+import logging
 import os
 import re
+import sys
+import threading
 from typing import Any, Mapping, Optional
 
 SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
-MIN_SECRET_LENGTH = 6  # shorter values ("1", "true", "none") would blank out ordinary text
+# A value this long is masked wherever it appears; a shorter one only where it stands alone (not inside a
+# longer word or number), so a secret "pw1" masks `experiment: pw1` but not "pw123" or "apw1".
+MIN_ANYWHERE_LENGTH = 6
+# Switches, not credentials: TOKENIZERS_PARALLELISM=false would otherwise blank every "false" in a config.
+NOT_SECRETS = frozenset({"0", "1", "true", "false", "yes", "no", "on", "off", "none", "null"})
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
 MASK = "***"
 
@@ -22,7 +32,7 @@ def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     # its own): take the names at once, then skip any that vanished before its value was read.
     found = ((name, environ.get(name)) for name in list(environ))
     values = {value for name, value in found
-              if value is not None and SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH}
+              if value and SECRET_NAME.search(name) and value.strip().lower() not in NOT_SECRETS}
     return sorted(values, key=len, reverse=True)  # longest first: a secret containing another is masked whole
 
 
@@ -38,7 +48,10 @@ def redact_all(value: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
 def _masked(text: str, secrets: list[str]) -> str:
     text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
     for value in secrets:
-        text = text.replace(value, MASK)
+        if len(value) >= MIN_ANYWHERE_LENGTH:
+            text = text.replace(value, MASK)
+        elif value in text:
+            text = re.sub(rf"(?<![0-9A-Za-z]){re.escape(value)}(?![0-9A-Za-z])", MASK, text)
     return text
 
 
@@ -50,3 +63,78 @@ def _masked_all(value: Any, secrets: list[str]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_masked_all(v, secrets) for v in value)
     return value
+
+
+class RedactingStream:
+    """sys.stdout / sys.stderr, redacted: holds text until a line ends (a secret may come in pieces, as
+    `print(a, b)` writes it), then writes the line redacted. Everything else goes to the stream it wraps."""
+
+    def __init__(self, stream):
+        self.wrapped, self._pending, self._lock = stream, "", threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            end = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
+            if end:
+                ready, self._pending = self._pending[:end], self._pending[end:]
+                self.wrapped.write(redact(ready))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                ready, self._pending = self._pending, ""
+                self.wrapped.write(redact(ready))
+        self.wrapped.flush()
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding, ...: the wrapped stream's
+        if name == "wrapped":  # not set yet (a copy being made): no endless lookup
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+
+_install_lock = threading.Lock()
+
+
+def install_console_redaction() -> None:
+    """Redact everything this process prints or logs, whoever prints it. Idempotent; call it first thing.
+
+    - sys.stdout and sys.stderr are wrapped: `print`, MLflow's "View run ... at: <uri>" line (written to
+      sys.stdout by `MlflowClient.set_terminated`), warnings and tracebacks go through `redact`.
+    - Every log record is redacted when it is made (message, arguments, exception text), so handlers that
+      hold the original stream or write to a file (Ray's, made at import) get the redacted text too.
+    Writes to file descriptors 1 and 2 from C code or other processes (Ray workers) are not covered.
+    """
+    with _install_lock:
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if stream is not None and not isinstance(stream, RedactingStream):
+                setattr(sys, name, RedactingStream(stream))
+        factory = logging.getLogRecordFactory()
+        if not getattr(factory, "redacts", False):
+            logging.setLogRecordFactory(_redacting_record_factory(factory))
+
+
+def _redacting_record_factory(make_record):
+    def make(*args, **kwargs) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed call is logging's to report, at emit time
+            return record
+        secrets = secret_values()
+        record.msg, record.args = _masked(message, secrets), None
+        if record.exc_info and not record.exc_text:
+            # Formatted now, as Formatter would later, so the traceback's text is redacted too.
+            record.exc_text = _masked(logging.Formatter().formatException(record.exc_info), secrets)
+        if record.stack_info:
+            record.stack_info = _masked(record.stack_info, secrets)
+        return record
+
+    make.redacts = True
+    return make

@@ -4,16 +4,14 @@ Import paths are resolved against the directory `submit` runs in; `launch`
 ships that module to the workers (Ray runtime_env `py_modules`).
 """
 
-import importlib
 import inspect
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import torch
 from torch import nn
 
+from orchestrator.config.imports import import_module_from_cwd, is_import_path, resolve_import_path
 from orchestrator.errors import BadInput
 
 
@@ -77,24 +75,6 @@ REGISTRY: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def is_import_path(name: str) -> bool:
-    return ":" in name
-
-
-def import_module_from_cwd(module_name: str, where: str) -> ModuleType:
-    """Import `module_name` with the current directory first on sys.path."""
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BadInput(
-            f"{where}: cannot import module '{module_name}' ({exc}). The module must be importable "
-            f"from the directory you run submit in ({cwd})."
-        ) from None
-
-
 def resolve_factory(name: str, where: str = "model.name") -> Callable[..., nn.Module]:
     if not is_import_path(name):
         if name not in REGISTRY:
@@ -103,14 +83,8 @@ def resolve_factory(name: str, where: str = "model.name") -> Callable[..., nn.Mo
                 "or an import path like 'mypackage.models:MyNet'."
             )
         return REGISTRY[name]
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise BadInput(f"{where}: '{name}' is not of the form 'package.module:Name'.")
-    module = import_module_from_cwd(module_name, where)
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise BadInput(f"{where}: module '{module_name}' has no callable '{attr}'.")
-    return factory
+    # Refuses the standard library and builtins before anything is called (`os:system` runs a shell).
+    return resolve_import_path(name, where, kind="model")
 
 
 def _accepts(factory: Callable, arg: str) -> bool:
@@ -126,10 +100,13 @@ def build_model(model_cfg) -> nn.Module:
     kwargs = dict(model_cfg.kwargs)
     if model_cfg.num_classes is not None and _accepts(factory, "num_classes"):
         kwargs.setdefault("num_classes", model_cfg.num_classes)
+    # Any failure here comes from the job's values (num_classes=-1 is a RuntimeError): bad input, not a crash.
     try:
         model = factory(**kwargs)
-    except TypeError as exc:
-        raise BadInput(f"model.kwargs: cannot build '{model_cfg.name}' with {kwargs}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise BadInput(f"model.kwargs: cannot build '{model_cfg.name}' (model.name) with {kwargs}: "
+                       f"{type(exc).__name__}: {first_line}. Fix model.kwargs or model.num_classes.") from None
     if not isinstance(model, nn.Module):
         raise BadInput(f"model.name: '{model_cfg.name}' returned {type(model).__name__}, not a torch.nn.Module.")
     return model
