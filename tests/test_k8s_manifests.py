@@ -19,6 +19,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from conftest import REPO
+from k8s_quantities import quantity
 from k8s_render import render
 
 OVERLAYS = {"gpu": "gpu", "cpu-smoke": "cpu"}  # overlay -> image variant
@@ -40,9 +41,10 @@ def one(objects, kind, name=None):
 
 
 def ray_cluster_specs(objects):
-    """(where, RayClusterSpec) for the RayCluster and the RayJob's own cluster."""
+    """(where, RayClusterSpec) for every Ray cluster: RayClusters, and RayJobs that bring their own."""
     return [(f"RayCluster/{o['metadata']['name']}", o["spec"]) for o in objects if o["kind"] == "RayCluster"] + \
-           [(f"RayJob/{o['metadata']['name']}", o["spec"]["rayClusterSpec"]) for o in objects if o["kind"] == "RayJob"]
+           [(f"RayJob/{o['metadata']['name']}", o["spec"]["rayClusterSpec"]) for o in objects
+            if o["kind"] == "RayJob" and "rayClusterSpec" in o["spec"]]
 
 
 def ray_pod_specs(objects):
@@ -164,19 +166,21 @@ def test_the_rayjob_runs_a_job_file_of_this_project_with_valid_overrides(overlay
     load_job(REPO / job_file, overrides, base_dir=REPO)  # unknown keys or bad values raise BadInput
 
 
-def test_the_job_fits_the_rayjobs_cluster(overlay):
+def test_the_job_fits_the_cluster_it_runs_on(overlay):
     from orchestrator.config import load_job
 
     name, objects = overlay
     job_file, overrides = entrypoint(objects)
     cfg = load_job(REPO / job_file, overrides, base_dir=REPO)
-    (workers,) = one(objects, "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] >= cfg.scaling.num_workers
+    (workers,) = one(objects, "RayCluster")["spec"]["workerGroupSpecs"]
+    assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+    assert workers["maxReplicas"] >= cfg.scaling.num_workers, "the autoscaler could never add enough workers"
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     wanted = dict(cfg.scaling.resources_per_worker) or {"CPU": 1, "GPU": 1 if cfg.scaling.use_gpu else 0}
     assert float(limits["cpu"]) >= wanted.get("CPU", 1)
     assert int(limits.get("nvidia.com/gpu", 0)) >= wanted.get("GPU", 0)
-    assert ("nvidia.com/gpu" in yaml.safe_dump(objects)) == (name == "gpu")
+    gpu_asked = [where for where, c, _ in all_containers(objects) if "nvidia.com/gpu" in c["resources"]["limits"]]
+    assert bool(gpu_asked) == (OVERLAYS[name] == "gpu"), gpu_asked
 
 
 def shared_mount(pod):
@@ -288,9 +292,10 @@ def test_ray_token_auth_is_on_with_the_token_from_the_secret(overlay):
     from_secret = {"secretKeyRef": {"name": "ray-auth-token", "key": "auth_token"}}
     for where, spec in ray_cluster_specs(objects):
         assert spec["authOptions"] == {"mode": "token", "secretName": "ray-auth-token"}, where
-    ray_containers = [(where, c) for where, c, _ in all_containers(objects)
-                      if where.startswith(("RayCluster/", "RayJob/"))]  # pods, submitter, autoscaler
-    assert len(ray_containers) == 6
+    # Ray's own processes: head, workers, autoscaler and the submitter (`ray job submit`), not init containers.
+    ray_containers = [(where, c) for where, c, pod in all_containers(objects)
+                      if where.startswith(("RayCluster/", "RayJob/")) and c not in pod.get("initContainers", [])]
+    assert len(ray_containers) == 4
     for where, container in ray_containers:
         env = env_of(container)
         assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN") == from_secret, where
@@ -332,18 +337,81 @@ def test_nothing_is_exposed_outside_the_cluster(overlay):
         assert not any("hostPort" in p for p in container.get("ports", [])), where
 
 
-def test_the_rayjob_cluster_runs_the_same_pods_as_the_raycluster(overlay):
+def test_the_rayjob_runs_on_the_raycluster_so_one_head_serves_both(overlay):
     _, objects = overlay
-    cluster, job_cluster = one(objects, "RayCluster")["spec"], one(objects, "RayJob")["spec"]["rayClusterSpec"]
-    for key in ("rayVersion", "authOptions", "headGroupSpec"):
-        assert job_cluster[key] == cluster[key], key
-    assert [g["template"] for g in job_cluster["workerGroupSpecs"]] == [g["template"] for g in cluster["workerGroupSpecs"]]
+    job = one(objects, "RayJob")["spec"]
+    assert "rayClusterSpec" not in job, "a RayJob with a cluster of its own runs a second head"
+    assert job["clusterSelector"] == {"ray.io/cluster": one(objects, "RayCluster")["metadata"]["name"]}
+    (head,) = [pod for where, pod in ray_pod_specs(objects) if where.endswith(" head")]
+    assert head is not None
 
 
 def test_the_rayjob_lifecycle_is_chosen(overlay):
     _, objects = overlay
     spec = one(objects, "RayJob")["spec"]
-    assert spec["shutdownAfterJobFinishes"] is True  # free the GPUs; KubeRay requires it for a TTL
-    assert 0 < spec["ttlSecondsAfterFinished"] <= 3600
-    assert spec["activeDeadlineSeconds"] > 0
+    # KubeRay rejects a TTL without shutdownAfterJobFinishes, and never deletes a selected cluster: the
+    # autoscaler frees the GPUs (idleTimeoutSeconds) instead.
+    assert spec["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in spec
+    assert one(objects, "RayCluster")["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] <= 900
+    # A head that never gets ready fails the job early; the whole run has a longer bound.
+    assert 0 < spec["preRunningDeadlineSeconds"] < spec["activeDeadlineSeconds"]
     assert spec["backoffLimit"] == 0  # a retry restarts training and its MLflow run from scratch
+
+
+# --- scheduling and start order --------------------------------------------------------------
+
+def tolerates_gpu_taint(pod):
+    return any(t.get("key") in ("nvidia.com/gpu", None) and t.get("operator") in ("Exists", "Equal", None)
+               and t.get("effect") in ("NoSchedule", None) for t in pod.get("tolerations", []))
+
+
+def asks_for_gpu(pod):
+    return any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in pod["containers"])
+
+
+OFF_GPU_NODES = [{"key": "cloud.google.com/gke-accelerator", "operator": "DoesNotExist"},
+                 {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}]
+
+
+def test_gpu_nodes_take_only_gpu_workers(overlay):
+    """GPU pools carry the nvidia.com/gpu:NoSchedule taint (GKE sets it, eksctl is told to): GPU workers
+    tolerate it; heads, the submitter, MLflow and PostgreSQL do not, and also avoid untainted GPU nodes."""
+    name, objects = overlay
+    for where, pod in all_pod_specs(objects):
+        if asks_for_gpu(pod):
+            assert tolerates_gpu_taint(pod), f"{name}: {where} asks for a GPU but does not tolerate the GPU taint"
+        elif " head" in where or " submitter" in where or where.startswith(("Deployment/", "StatefulSet/")):
+            assert not tolerates_gpu_taint(pod), f"{name}: {where} would be let onto GPU nodes"
+            terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert terms["nodeSelectorTerms"] == [{"matchExpressions": OFF_GPU_NODES}], f"{name}: {where}"
+    assert any(asks_for_gpu(pod) for _, pod in all_pod_specs(objects)) == (OVERLAYS[name] == "gpu")
+
+
+def test_the_object_store_fits_in_dev_shm_and_dev_shm_in_the_memory_limit(overlay):
+    """Ray puts its object store in /tmp (slow) when /dev/shm is smaller; an in-memory /dev/shm counts
+    against the container's memory limit, so it must leave the processes most of it."""
+    name, objects = overlay
+    for where, spec in ray_cluster_specs(objects):
+        groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
+        for group, group_spec in groups:
+            pod = group_spec["template"]["spec"]
+            store = quantity(group_spec["rayStartParams"]["object-store-memory"])
+            (shm,) = [v for v in pod["volumes"] if v["name"] in
+                      {m["name"] for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"}]
+            assert shm["emptyDir"]["medium"] == "Memory", f"{name}: {where} {group}"
+            shm_size = quantity(shm["emptyDir"]["sizeLimit"])
+            limit = quantity(pod["containers"][0]["resources"]["limits"]["memory"])
+            assert store <= shm_size <= limit / 2, f"{name}: {where} {group}: store {store:g}, /dev/shm {shm_size:g}"
+
+
+def test_mlflow_waits_for_postgresql_and_the_job_for_mlflow(overlay):
+    _, objects = overlay
+    postgres = one(objects, "Service", "postgres")["spec"]["ports"][0]["port"]
+    (wait_db,) = one(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]["initContainers"]
+    assert "pg_isready" in " ".join(wait_db["command"])
+    assert (env_of(wait_db)["PGHOST"], int(env_of(wait_db)["PGPORT"])) == ("postgres", postgres)
+    submitter = one(objects, "RayJob")["spec"]["submitterPodTemplate"]["spec"]
+    (wait_mlflow,) = submitter["initContainers"]
+    mlflow_port = one(objects, "Service", "mlflow")["spec"]["ports"][0]["port"]
+    assert env_of(wait_mlflow)["MLFLOW_TRACKING_URI"] == f"http://mlflow:{mlflow_port}"
+    assert "/health" in " ".join(wait_mlflow["command"])

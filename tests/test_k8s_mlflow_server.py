@@ -41,6 +41,13 @@ def mlflow_container():
     return rendered("Deployment", "mlflow")["spec"]["template"]["spec"]["containers"][0]
 
 
+def init_container(kind, name, container):
+    spec = rendered(kind, name)["spec"]
+    pod = spec["submitterPodTemplate"]["spec"] if kind == "RayJob" else spec["template"]["spec"]
+    (found,) = [c for c in pod["initContainers"] if c["name"] == container]
+    return found
+
+
 def container_env(container, secret_values: dict) -> dict:
     """The environment Kubernetes gives the container: secrets filled in, $(VAR) expanded from earlier entries."""
     env = {}
@@ -173,3 +180,44 @@ def test_the_mlflow_server_answers_the_service_name_and_localhost_only(server):
         assert reply.status_code == 200, (host, reply.status_code, reply.text[:200])
     refused = requests.get(search, headers={"Host": "attacker.example:5000"}, timeout=10)
     assert refused.status_code == 403
+
+
+def waits_until_ready(command, env, cwd) -> str:
+    """Run an init container's command: it must still be waiting after a few seconds where nothing answers."""
+    with open(cwd / "wait.log", "wb") as output:
+        process = subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        process.wait(timeout=4)
+    except subprocess.TimeoutExpired:
+        return "waiting"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    return f"exited {process.returncode}: {(cwd / 'wait.log').read_text()[-500:]}"
+
+
+def test_the_rayjob_submitter_waits_for_mlflow_health(server, tmp_path):
+    url, _ = server
+    container = init_container("RayJob", "ampflow-cifar", "wait-for-mlflow")
+    assert container["command"][0] == "python"
+    command = [sys.executable, *container["command"][1:]]
+    env = {**container_env(container, {}), "PATH": str(Path(sys.executable).parent)}
+    (nothing_there,) = free_ports(1)
+    assert waits_until_ready(command, {**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{nothing_there}"},
+                             tmp_path) == "waiting"
+    assert "waiting for MLflow at" in (tmp_path / "wait.log").read_text()
+    done = subprocess.run(command, env={**env, "MLFLOW_TRACKING_URI": url}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "MLflow answers" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_mlflow_pod_waits_for_postgresql(postgres, tmp_path):
+    container = init_container("Deployment", "mlflow", "wait-for-postgres")
+    env = {**container_env(container, {}), "PATH": f"{postgres.bin_dir}:/usr/bin:/bin"}
+    assert env["PGHOST"] == "postgres"  # the Service; here, the test's server instead
+    (nothing_there,) = free_ports(1)
+    assert waits_until_ready(container["command"], {**env, "PGHOST": postgres.host, "PGPORT": str(nothing_there)},
+                             tmp_path) == "waiting"
+    done = subprocess.run(container["command"], env={**env, "PGHOST": postgres.host, "PGPORT": str(postgres.port)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
