@@ -6,6 +6,7 @@ the API server's strict field validation treats unknown fields.
 """
 
 import copy
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from conftest import REPO
 from k8s_quantities import quantity
 from k8s_render import render
 
-OVERLAYS = {"gpu": "gpu", "cpu-smoke": "cpu"}  # overlay -> image variant
+OVERLAYS = {"gpu": "gpu", "gke": "gpu", "eks": "gpu", "cpu-smoke": "cpu"}  # overlay -> image variant
 K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())  # oldest we support, newest known
 KUBERAY_SCHEMAS = REPO / "k8s" / "schemas" / "kuberay-v1.7.0"
 SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
@@ -161,7 +162,7 @@ def test_the_rayjob_runs_a_job_file_of_this_project_with_valid_overrides(overlay
 
     name, objects = overlay
     job_file, overrides = entrypoint(objects)
-    assert job_file == {"gpu": "jobs/cifar.yaml", "cpu-smoke": "jobs/quickstart.yaml"}[name]
+    assert job_file == {"gpu": "jobs/cifar.yaml", "cpu": "jobs/quickstart.yaml"}[OVERLAYS[name]]
     assert (REPO / job_file).is_file()
     load_job(REPO / job_file, overrides, base_dir=REPO)  # unknown keys or bad values raise BadInput
 
@@ -272,12 +273,28 @@ def test_every_ray_pod_polls_reports_as_often_as_a_local_submit(overlay):
             assert interval is not None and float(interval) == HEALTH_CHECK_INTERVAL_S, f"{where} {container['name']}"
 
 
+def is_the_shared_volume_owner_fix(where, container, pod):
+    """The one root container (gke overlay): an init container of the head that only hands the shared
+    volume's root to the pods' user, with CHOWN and FOWNER and nothing else."""
+    context = container.get("securityContext", {})
+    return (container.get("name") == "shared-volume-owner" and where.endswith(" head shared-volume-owner")
+            and container in pod.get("initContainers", [])
+            and context == {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}}
+            and container["command"][:2] == ["sh", "-c"]
+            and set(re.findall(r"\b(chown|chmod|rm|mv|cp|curl|wget|python)\b", container["command"][2])) == {"chown", "chmod"}
+            and [m["mountPath"] for m in container["volumeMounts"]] == ["/mnt/shared"])
+
+
 def test_every_container_has_requests_and_limits_and_runs_unprivileged_as_non_root(overlay):
     name, objects = overlay
     for where, container, pod in all_containers(objects):
         resources = container.get("resources", {})
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(resources.get(kind, {})), f"{name}: {where} lacks {kind}"
+        if is_the_shared_volume_owner_fix(where, container, pod):
+            assert name == "gke", f"{name}: only the gke overlay needs a root init container"
+            continue
         pod_context, context = pod.get("securityContext", {}), container.get("securityContext", {})
         assert context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is True, f"{name}: {where}"
         assert context.get("runAsUser", pod_context.get("runAsUser", 1)) != 0, f"{name}: {where}"
@@ -415,3 +432,43 @@ def test_mlflow_waits_for_postgresql_and_the_job_for_mlflow(overlay):
     mlflow_port = one(objects, "Service", "mlflow")["spec"]["ports"][0]["port"]
     assert env_of(wait_mlflow)["MLFLOW_TRACKING_URI"] == f"http://mlflow:{mlflow_port}"
     assert "/health" in " ".join(wait_mlflow["command"])
+
+
+# --- storage on the clouds -------------------------------------------------------------------
+
+def claims(objects):
+    """storage class and size of every volume claim, the StatefulSet's template included"""
+    found = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "PersistentVolumeClaim"}
+    for o in objects:
+        if o["kind"] == "StatefulSet":
+            found.update({f"{o['metadata']['name']}/{t['metadata']['name']}": t["spec"]
+                          for t in o["spec"].get("volumeClaimTemplates", [])})
+    return found
+
+
+@pytest.mark.parametrize("name", ["gke", "eks"])
+def test_cloud_overlays_name_storage_classes_the_pods_can_write_to(name):
+    """A new GKE or EKS cluster has no ReadWriteMany default class (EKS 1.30+ no default at all), and
+    fsGroup does not apply to NFS-like volumes: each claim names a class, and uid 1000 can write."""
+    objects = render(REPO / "k8s" / "overlays" / name)
+    volumes = claims(objects)
+    assert set(volumes) == {"ampflow-shared", "mlflow-artifacts", "postgres/data"}
+    assert all(spec.get("storageClassName") for spec in volumes.values()), volumes
+    head = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    user = (head["securityContext"]["runAsUser"], head["securityContext"]["runAsGroup"])
+    if name == "gke":
+        assert volumes["ampflow-shared"]["storageClassName"] == "standard-rwx"  # Filestore CSI driver's class
+        assert quantity(volumes["ampflow-shared"]["resources"]["requests"]["storage"]) >= 2**40  # its minimum
+        assert {volumes[v]["storageClassName"] for v in ("mlflow-artifacts", "postgres/data")} == {"standard-rwo"}
+        (owner,) = head["initContainers"]
+        assert f"chown {user[0]}:{user[1]} /mnt/shared" in owner["command"][2]
+    else:
+        classes = {o["metadata"]["name"]: o for o in objects if o["kind"] == "StorageClass"}
+        assert "namespace" not in classes["ampflow-efs"]["metadata"]  # cluster-wide objects
+        shared = classes[volumes["ampflow-shared"]["storageClassName"]]
+        assert shared["provisioner"] == "efs.csi.aws.com" and shared["parameters"]["provisioningMode"] == "efs-ap"
+        assert (int(shared["parameters"]["uid"]), int(shared["parameters"]["gid"])) == user
+        for volume in ("mlflow-artifacts", "postgres/data"):
+            disk = classes[volumes[volume]["storageClassName"]]
+            assert disk["provisioner"] == "ebs.csi.aws.com" and disk["parameters"]["type"] == "gp3"
+            assert disk["volumeBindingMode"] == "WaitForFirstConsumer"  # the disk in the zone of the pod's node
