@@ -230,7 +230,11 @@ def test_ray_image_tags_match_the_pinned_ray_and_python(overlay):
     for where, container, _ in all_containers(objects):
         image = container.get("image")
         if image and not image.startswith("postgres:"):  # the autoscaler without `image` runs the head's
-            assert image.rsplit(":", 1)[1] == expected, f"{name}: {where} runs {image}, expected tag {expected}"
+            # docs/deploy.md tags each build with its commit: ray2.60.0-py311-gpu-1a2b3c4
+            assert re.fullmatch(re.escape(expected) + r"(-[0-9a-f]{7,40})?", image.rsplit(":", 1)[1]), \
+                f"{name}: {where} runs {image}, expected tag {expected}[-COMMIT]"
+    assert "TAG=" + expected + "-$(git rev-parse --short HEAD)" in (REPO / "docs" / "deploy.md").read_text() \
+        or OVERLAYS[name] != "gpu"
     for where, spec in ray_cluster_specs(objects):
         assert spec["rayVersion"] == version, where
 
