@@ -20,10 +20,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from conftest import REPO
-from k8s_quantities import quantity
+from k8s_objects import OVERLAYS, all_containers, all_pod_specs, env_of, one, ray_cluster_specs, ray_pod_specs
 from k8s_render import render
 
-OVERLAYS = {"gpu": "gpu", "gke": "gpu", "eks": "gpu", "cpu-smoke": "cpu"}  # overlay -> image variant
 K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())  # oldest we support, newest known
 KUBERAY_SCHEMAS = REPO / "k8s" / "schemas" / "kuberay-v1.7.0"
 SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
@@ -33,49 +32,6 @@ SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
 def overlay(request):
     objects = render(REPO / "k8s" / "overlays" / request.param)
     return request.param, objects
-
-
-def one(objects, kind, name=None):
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
-
-
-def ray_cluster_specs(objects):
-    """(where, RayClusterSpec) for every Ray cluster: RayClusters, and RayJobs that bring their own."""
-    return [(f"RayCluster/{o['metadata']['name']}", o["spec"]) for o in objects if o["kind"] == "RayCluster"] + \
-           [(f"RayJob/{o['metadata']['name']}", o["spec"]["rayClusterSpec"]) for o in objects
-            if o["kind"] == "RayJob" and "rayClusterSpec" in o["spec"]]
-
-
-def ray_pod_specs(objects):
-    """(where, PodSpec) of every Ray pod: heads and each worker group."""
-    pods = []
-    for where, spec in ray_cluster_specs(objects):
-        pods.append((f"{where} head", spec["headGroupSpec"]["template"]["spec"]))
-        pods += [(f"{where} {g['groupName']}", g["template"]["spec"]) for g in spec["workerGroupSpecs"]]
-    return pods
-
-
-def all_pod_specs(objects):
-    """Every pod that will run: Ray pods, the RayJob submitter, Deployments and StatefulSets."""
-    pods = ray_pod_specs(objects)
-    for o in objects:
-        if o["kind"] in ("Deployment", "StatefulSet"):
-            pods.append((f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"]))
-        if o["kind"] == "RayJob":
-            pods.append((f"RayJob/{o['metadata']['name']} submitter", o["spec"]["submitterPodTemplate"]["spec"]))
-    return pods
-
-
-def all_containers(objects):
-    """(where, container, pod spec or None); the autoscaler sidecar KubeRay adds counts too."""
-    found = [(f"{where} {c['name']}", c, pod) for where, pod in all_pod_specs(objects)
-             for c in pod.get("initContainers", []) + pod["containers"]]
-    for where, spec in ray_cluster_specs(objects):
-        if spec.get("enableInTreeAutoscaling"):
-            found.append((f"{where} autoscaler", spec["autoscalerOptions"], spec["headGroupSpec"]["template"]["spec"]))
-    return found
 
 
 # --- rendering and schemas -------------------------------------------------------------------
@@ -249,10 +205,6 @@ def test_the_rayjob_ships_the_images_project_directory():
         assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"working_dir": workdir}
 
 
-def env_of(container):
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
-
-
 def test_every_ray_pod_reports_to_the_mlflow_service(overlay):
     _, objects = overlay
     service = one(objects, "Service", "mlflow")
@@ -377,102 +329,3 @@ def test_the_rayjob_lifecycle_is_chosen(overlay):
     # A head that never gets ready fails the job early; the whole run has a longer bound.
     assert 0 < spec["preRunningDeadlineSeconds"] < spec["activeDeadlineSeconds"]
     assert spec["backoffLimit"] == 0  # a retry restarts training and its MLflow run from scratch
-
-
-# --- scheduling and start order --------------------------------------------------------------
-
-def tolerates_gpu_taint(pod):
-    return any(t.get("key") in ("nvidia.com/gpu", None) and t.get("operator") in ("Exists", "Equal", None)
-               and t.get("effect") in ("NoSchedule", None) for t in pod.get("tolerations", []))
-
-
-def asks_for_gpu(pod):
-    return any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in pod["containers"])
-
-
-OFF_GPU_NODES = [{"key": "cloud.google.com/gke-accelerator", "operator": "DoesNotExist"},
-                 {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}]
-
-
-def test_gpu_nodes_take_only_gpu_workers(overlay):
-    """GPU pools carry the nvidia.com/gpu:NoSchedule taint (GKE sets it, eksctl is told to): GPU workers
-    tolerate it; heads, the submitter, MLflow and PostgreSQL do not, and also avoid untainted GPU nodes."""
-    name, objects = overlay
-    for where, pod in all_pod_specs(objects):
-        if asks_for_gpu(pod):
-            assert tolerates_gpu_taint(pod), f"{name}: {where} asks for a GPU but does not tolerate the GPU taint"
-        elif " head" in where or " submitter" in where or where.startswith(("Deployment/", "StatefulSet/")):
-            assert not tolerates_gpu_taint(pod), f"{name}: {where} would be let onto GPU nodes"
-            terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-            assert terms["nodeSelectorTerms"] == [{"matchExpressions": OFF_GPU_NODES}], f"{name}: {where}"
-    assert any(asks_for_gpu(pod) for _, pod in all_pod_specs(objects)) == (OVERLAYS[name] == "gpu")
-
-
-def test_the_object_store_fits_in_dev_shm_and_dev_shm_in_the_memory_limit(overlay):
-    """Ray puts its object store in /tmp (slow) when /dev/shm is smaller; an in-memory /dev/shm counts
-    against the container's memory limit, so it must leave the processes most of it."""
-    name, objects = overlay
-    for where, spec in ray_cluster_specs(objects):
-        groups = [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
-        for group, group_spec in groups:
-            pod = group_spec["template"]["spec"]
-            store = quantity(group_spec["rayStartParams"]["object-store-memory"])
-            (shm,) = [v for v in pod["volumes"] if v["name"] in
-                      {m["name"] for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"}]
-            assert shm["emptyDir"]["medium"] == "Memory", f"{name}: {where} {group}"
-            shm_size = quantity(shm["emptyDir"]["sizeLimit"])
-            limit = quantity(pod["containers"][0]["resources"]["limits"]["memory"])
-            assert store <= shm_size <= limit / 2, f"{name}: {where} {group}: store {store:g}, /dev/shm {shm_size:g}"
-
-
-def test_mlflow_waits_for_postgresql_and_the_job_for_mlflow(overlay):
-    _, objects = overlay
-    postgres = one(objects, "Service", "postgres")["spec"]["ports"][0]["port"]
-    (wait_db,) = one(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]["initContainers"]
-    assert "pg_isready" in " ".join(wait_db["command"])
-    assert (env_of(wait_db)["PGHOST"], int(env_of(wait_db)["PGPORT"])) == ("postgres", postgres)
-    submitter = one(objects, "RayJob")["spec"]["submitterPodTemplate"]["spec"]
-    (wait_mlflow,) = submitter["initContainers"]
-    mlflow_port = one(objects, "Service", "mlflow")["spec"]["ports"][0]["port"]
-    assert env_of(wait_mlflow)["MLFLOW_TRACKING_URI"] == f"http://mlflow:{mlflow_port}"
-    assert "/health" in " ".join(wait_mlflow["command"])
-
-
-# --- storage on the clouds -------------------------------------------------------------------
-
-def claims(objects):
-    """storage class and size of every volume claim, the StatefulSet's template included"""
-    found = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "PersistentVolumeClaim"}
-    for o in objects:
-        if o["kind"] == "StatefulSet":
-            found.update({f"{o['metadata']['name']}/{t['metadata']['name']}": t["spec"]
-                          for t in o["spec"].get("volumeClaimTemplates", [])})
-    return found
-
-
-@pytest.mark.parametrize("name", ["gke", "eks"])
-def test_cloud_overlays_name_storage_classes_the_pods_can_write_to(name):
-    """A new GKE or EKS cluster has no ReadWriteMany default class (EKS 1.30+ no default at all), and
-    fsGroup does not apply to NFS-like volumes: each claim names a class, and uid 1000 can write."""
-    objects = render(REPO / "k8s" / "overlays" / name)
-    volumes = claims(objects)
-    assert set(volumes) == {"ampflow-shared", "mlflow-artifacts", "postgres/data"}
-    assert all(spec.get("storageClassName") for spec in volumes.values()), volumes
-    head = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
-    user = (head["securityContext"]["runAsUser"], head["securityContext"]["runAsGroup"])
-    if name == "gke":
-        assert volumes["ampflow-shared"]["storageClassName"] == "standard-rwx"  # Filestore CSI driver's class
-        assert quantity(volumes["ampflow-shared"]["resources"]["requests"]["storage"]) >= 2**40  # its minimum
-        assert {volumes[v]["storageClassName"] for v in ("mlflow-artifacts", "postgres/data")} == {"standard-rwo"}
-        (owner,) = head["initContainers"]
-        assert f"chown {user[0]}:{user[1]} /mnt/shared" in owner["command"][2]
-    else:
-        classes = {o["metadata"]["name"]: o for o in objects if o["kind"] == "StorageClass"}
-        assert "namespace" not in classes["ampflow-efs"]["metadata"]  # cluster-wide objects
-        shared = classes[volumes["ampflow-shared"]["storageClassName"]]
-        assert shared["provisioner"] == "efs.csi.aws.com" and shared["parameters"]["provisioningMode"] == "efs-ap"
-        assert (int(shared["parameters"]["uid"]), int(shared["parameters"]["gid"])) == user
-        for volume in ("mlflow-artifacts", "postgres/data"):
-            disk = classes[volumes[volume]["storageClassName"]]
-            assert disk["provisioner"] == "ebs.csi.aws.com" and disk["parameters"]["type"] == "gp3"
-            assert disk["volumeBindingMode"] == "WaitForFirstConsumer"  # the disk in the zone of the pod's node

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from conftest import REPO
+from k8s_objects import OVERLAYS
 from k8s_quantities import pod_requests, quantity
 from k8s_render import render
 
@@ -88,6 +89,10 @@ def test_the_overlay_fits_the_node_shapes_the_guide_names(overlay):
         else:
             placed = cpu_pods if shape["pool"] == "cpu" else everything
             assert not pack(placed, shape), f"{where}: no room for {pack(placed, shape)}"
+
+
+def test_every_overlay_is_checked():
+    assert set(COVERED_BY) == set(OVERLAYS)
 
 
 def test_the_fit_check_refuses_a_worker_too_big_for_an_8_vcpu_node():
