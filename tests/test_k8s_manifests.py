@@ -6,6 +6,7 @@ the API server's strict field validation treats unknown fields.
 """
 
 import copy
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,9 +20,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from conftest import REPO
+from k8s_objects import OVERLAYS, all_containers, all_pod_specs, env_of, one, ray_cluster_specs, ray_pod_specs
 from k8s_render import render
 
-OVERLAYS = {"gpu": "gpu", "cpu-smoke": "cpu"}  # overlay -> image variant
 K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())  # oldest we support, newest known
 KUBERAY_SCHEMAS = REPO / "k8s" / "schemas" / "kuberay-v1.7.0"
 SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
@@ -31,48 +32,6 @@ SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
 def overlay(request):
     objects = render(REPO / "k8s" / "overlays" / request.param)
     return request.param, objects
-
-
-def one(objects, kind, name=None):
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
-
-
-def ray_cluster_specs(objects):
-    """(where, RayClusterSpec) for the RayCluster and the RayJob's own cluster."""
-    return [(f"RayCluster/{o['metadata']['name']}", o["spec"]) for o in objects if o["kind"] == "RayCluster"] + \
-           [(f"RayJob/{o['metadata']['name']}", o["spec"]["rayClusterSpec"]) for o in objects if o["kind"] == "RayJob"]
-
-
-def ray_pod_specs(objects):
-    """(where, PodSpec) of every Ray pod: heads and each worker group."""
-    pods = []
-    for where, spec in ray_cluster_specs(objects):
-        pods.append((f"{where} head", spec["headGroupSpec"]["template"]["spec"]))
-        pods += [(f"{where} {g['groupName']}", g["template"]["spec"]) for g in spec["workerGroupSpecs"]]
-    return pods
-
-
-def all_pod_specs(objects):
-    """Every pod that will run: Ray pods, the RayJob submitter, Deployments and StatefulSets."""
-    pods = ray_pod_specs(objects)
-    for o in objects:
-        if o["kind"] in ("Deployment", "StatefulSet"):
-            pods.append((f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"]))
-        if o["kind"] == "RayJob":
-            pods.append((f"RayJob/{o['metadata']['name']} submitter", o["spec"]["submitterPodTemplate"]["spec"]))
-    return pods
-
-
-def all_containers(objects):
-    """(where, container, pod spec or None); the autoscaler sidecar KubeRay adds counts too."""
-    found = [(f"{where} {c['name']}", c, pod) for where, pod in all_pod_specs(objects)
-             for c in pod.get("initContainers", []) + pod["containers"]]
-    for where, spec in ray_cluster_specs(objects):
-        if spec.get("enableInTreeAutoscaling"):
-            found.append((f"{where} autoscaler", spec["autoscalerOptions"], spec["headGroupSpec"]["template"]["spec"]))
-    return found
 
 
 # --- rendering and schemas -------------------------------------------------------------------
@@ -159,24 +118,26 @@ def test_the_rayjob_runs_a_job_file_of_this_project_with_valid_overrides(overlay
 
     name, objects = overlay
     job_file, overrides = entrypoint(objects)
-    assert job_file == {"gpu": "jobs/cifar.yaml", "cpu-smoke": "jobs/quickstart.yaml"}[name]
+    assert job_file == {"gpu": "jobs/cifar.yaml", "cpu": "jobs/quickstart.yaml"}[OVERLAYS[name]]
     assert (REPO / job_file).is_file()
     load_job(REPO / job_file, overrides, base_dir=REPO)  # unknown keys or bad values raise BadInput
 
 
-def test_the_job_fits_the_rayjobs_cluster(overlay):
+def test_the_job_fits_the_cluster_it_runs_on(overlay):
     from orchestrator.config import load_job
 
     name, objects = overlay
     job_file, overrides = entrypoint(objects)
     cfg = load_job(REPO / job_file, overrides, base_dir=REPO)
-    (workers,) = one(objects, "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] >= cfg.scaling.num_workers
+    (workers,) = one(objects, "RayCluster")["spec"]["workerGroupSpecs"]
+    assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+    assert workers["maxReplicas"] >= cfg.scaling.num_workers, "the autoscaler could never add enough workers"
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     wanted = dict(cfg.scaling.resources_per_worker) or {"CPU": 1, "GPU": 1 if cfg.scaling.use_gpu else 0}
     assert float(limits["cpu"]) >= wanted.get("CPU", 1)
     assert int(limits.get("nvidia.com/gpu", 0)) >= wanted.get("GPU", 0)
-    assert ("nvidia.com/gpu" in yaml.safe_dump(objects)) == (name == "gpu")
+    gpu_asked = [where for where, c, _ in all_containers(objects) if "nvidia.com/gpu" in c["resources"]["limits"]]
+    assert bool(gpu_asked) == (OVERLAYS[name] == "gpu"), gpu_asked
 
 
 def shared_mount(pod):
@@ -225,7 +186,11 @@ def test_ray_image_tags_match_the_pinned_ray_and_python(overlay):
     for where, container, _ in all_containers(objects):
         image = container.get("image")
         if image and not image.startswith("postgres:"):  # the autoscaler without `image` runs the head's
-            assert image.rsplit(":", 1)[1] == expected, f"{name}: {where} runs {image}, expected tag {expected}"
+            # docs/deploy.md tags each build with its commit: ray2.60.0-py311-gpu-1a2b3c4
+            assert re.fullmatch(re.escape(expected) + r"(-[0-9a-f]{7,40})?", image.rsplit(":", 1)[1]), \
+                f"{name}: {where} runs {image}, expected tag {expected}[-COMMIT]"
+    assert "TAG=" + expected + "-$(git rev-parse --short HEAD)" in (REPO / "docs" / "deploy.md").read_text() \
+        or OVERLAYS[name] != "gpu"
     for where, spec in ray_cluster_specs(objects):
         assert spec["rayVersion"] == version, where
 
@@ -238,10 +203,6 @@ def test_the_rayjob_ships_the_images_project_directory():
     for name in OVERLAYS:
         job = one(render(REPO / "k8s" / "overlays" / name), "RayJob")
         assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"working_dir": workdir}
-
-
-def env_of(container):
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
 def test_every_ray_pod_reports_to_the_mlflow_service(overlay):
@@ -268,12 +229,28 @@ def test_every_ray_pod_polls_reports_as_often_as_a_local_submit(overlay):
             assert interval is not None and float(interval) == HEALTH_CHECK_INTERVAL_S, f"{where} {container['name']}"
 
 
+def is_the_shared_volume_owner_fix(where, container, pod):
+    """The one root container (gke overlay): an init container of the head that only hands the shared
+    volume's root to the pods' user, with CHOWN and FOWNER and nothing else."""
+    context = container.get("securityContext", {})
+    return (container.get("name") == "shared-volume-owner" and where.endswith(" head shared-volume-owner")
+            and container in pod.get("initContainers", [])
+            and context == {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}}
+            and container["command"][:2] == ["sh", "-c"]
+            and set(re.findall(r"\b(chown|chmod|rm|mv|cp|curl|wget|python)\b", container["command"][2])) == {"chown", "chmod"}
+            and [m["mountPath"] for m in container["volumeMounts"]] == ["/mnt/shared"])
+
+
 def test_every_container_has_requests_and_limits_and_runs_unprivileged_as_non_root(overlay):
     name, objects = overlay
     for where, container, pod in all_containers(objects):
         resources = container.get("resources", {})
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(resources.get(kind, {})), f"{name}: {where} lacks {kind}"
+        if is_the_shared_volume_owner_fix(where, container, pod):
+            assert name == "gke", f"{name}: only the gke overlay needs a root init container"
+            continue
         pod_context, context = pod.get("securityContext", {}), container.get("securityContext", {})
         assert context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is True, f"{name}: {where}"
         assert context.get("runAsUser", pod_context.get("runAsUser", 1)) != 0, f"{name}: {where}"
@@ -288,9 +265,10 @@ def test_ray_token_auth_is_on_with_the_token_from_the_secret(overlay):
     from_secret = {"secretKeyRef": {"name": "ray-auth-token", "key": "auth_token"}}
     for where, spec in ray_cluster_specs(objects):
         assert spec["authOptions"] == {"mode": "token", "secretName": "ray-auth-token"}, where
-    ray_containers = [(where, c) for where, c, _ in all_containers(objects)
-                      if where.startswith(("RayCluster/", "RayJob/"))]  # pods, submitter, autoscaler
-    assert len(ray_containers) == 6
+    # Ray's own processes: head, workers, autoscaler and the submitter (`ray job submit`), not init containers.
+    ray_containers = [(where, c) for where, c, pod in all_containers(objects)
+                      if where.startswith(("RayCluster/", "RayJob/")) and c not in pod.get("initContainers", [])]
+    assert len(ray_containers) == 4
     for where, container in ray_containers:
         env = env_of(container)
         assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN") == from_secret, where
@@ -332,18 +310,22 @@ def test_nothing_is_exposed_outside_the_cluster(overlay):
         assert not any("hostPort" in p for p in container.get("ports", [])), where
 
 
-def test_the_rayjob_cluster_runs_the_same_pods_as_the_raycluster(overlay):
+def test_the_rayjob_runs_on_the_raycluster_so_one_head_serves_both(overlay):
     _, objects = overlay
-    cluster, job_cluster = one(objects, "RayCluster")["spec"], one(objects, "RayJob")["spec"]["rayClusterSpec"]
-    for key in ("rayVersion", "authOptions", "headGroupSpec"):
-        assert job_cluster[key] == cluster[key], key
-    assert [g["template"] for g in job_cluster["workerGroupSpecs"]] == [g["template"] for g in cluster["workerGroupSpecs"]]
+    job = one(objects, "RayJob")["spec"]
+    assert "rayClusterSpec" not in job, "a RayJob with a cluster of its own runs a second head"
+    assert job["clusterSelector"] == {"ray.io/cluster": one(objects, "RayCluster")["metadata"]["name"]}
+    (head,) = [pod for where, pod in ray_pod_specs(objects) if where.endswith(" head")]
+    assert head is not None
 
 
 def test_the_rayjob_lifecycle_is_chosen(overlay):
     _, objects = overlay
     spec = one(objects, "RayJob")["spec"]
-    assert spec["shutdownAfterJobFinishes"] is True  # free the GPUs; KubeRay requires it for a TTL
-    assert 0 < spec["ttlSecondsAfterFinished"] <= 3600
-    assert spec["activeDeadlineSeconds"] > 0
+    # KubeRay rejects a TTL without shutdownAfterJobFinishes, and never deletes a selected cluster: the
+    # autoscaler frees the GPUs (idleTimeoutSeconds) instead.
+    assert spec["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in spec
+    assert one(objects, "RayCluster")["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] <= 900
+    # A head that never gets ready fails the job early; the whole run has a longer bound.
+    assert 0 < spec["preRunningDeadlineSeconds"] < spec["activeDeadlineSeconds"]
     assert spec["backoffLimit"] == 0  # a retry restarts training and its MLflow run from scratch
