@@ -63,7 +63,8 @@ def test_audit_shows_what_each_preset_promises(preset, model_name):
         norm = "float32" if preset in ("O0", "O1", "O2", "bf16-mixed") else half
         assert params["BatchNorm2d"] == {norm}
         if preset == "O2":
-            assert outputs["BatchNorm2d"] == {"float32"}  # kept fp32, computed in fp32
+            # Kept fp32 and computed in fp32, but handing its neighbours float16: no fp32 activations saved.
+            assert outputs["BatchNorm2d"] == {"float16"}
             assert all(e["rule"] == "keep_norm_fp32" for e in entries.values() if e["type"] == "BatchNorm2d")
     assert torch.isfinite(loss)
 
@@ -93,13 +94,14 @@ def test_policy_with_rules_from_the_issue_is_honoured_on_simple_cnn():
 
 
 def test_audit_catches_a_layer_that_breaks_its_promise():
-    cfg = job("precision.preset=O2")
+    # Under autocast a layer still runs when its weight is not in the promised dtype: only the audit sees it.
+    cfg = job("precision.preset=O1")
     training = prepared(cfg)
     model = training.prepared.raw
-    model.features[0].weight.data = model.features[0].weight.data.float()  # someone undid the cast
+    model.features[0].weight.data = model.features[0].weight.data.half()  # someone cast it behind the policy
     step(training, cfg, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     problems = broken_promises(training.precision.audit.close())
-    assert any("features.0" in p and "float32" in p for p in problems)
+    assert any("features.0" in p and "stores float16" in p for p in problems)
 
 
 def test_fp16_params_with_adam_without_masters_is_a_lint_error_and_with_masters_trains():
@@ -129,7 +131,7 @@ def test_fp16_params_with_adam_without_masters_is_a_lint_error_and_with_masters_
     [
         (["precision.preset=O3", "model.name=resnet18"], "normalisation layers in float16"),
         (["precision.compute_dtype=float16", "precision.loss_scale=none"], "loss_scale: dynamic"),
-        (["precision.param_dtype=float16"], "GradScaler cannot unscale"),
+        (["precision.param_dtype=float16"], "is rounded away"),
         (["precision.rules=[{match: 'transformer.*', dtype: float32}]"], "'transformer.*' matches no layer"),
     ],
 )
@@ -140,9 +142,13 @@ def test_lint_names_the_problem_and_the_fix(overrides, fragment):
 
 
 def test_clean_presets_have_no_lint_findings():
-    for preset in ("O0", "O1", "O2", "bf16-mixed", "bf16-true"):
+    for preset in ("O0", "O1", "O2", "bf16-mixed"):
         cfg = job(f"precision.preset={preset}", "model.name=resnet18")
         assert lint(cfg, build_model(cfg.model)) == [], preset
+    # bf16-true steps bfloat16 weights with SGD: only a warning that small updates are lost.
+    cfg = job("precision.preset=bf16-true", "model.name=resnet18")
+    (finding,) = lint(cfg, build_model(cfg.model))
+    assert finding.severity == "warning" and "|gradient| >=" in finding
 
 
 def test_batchnorm_kept_fp32_runs_in_eval_mode_under_o2():

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from orchestrator.train.data import build_datasets
+from orchestrator.train.modes import eval_mode
 from orchestrator.errors import BadInput
 from orchestrator.precision import Policy, apply, dtype_name, parse_dtype, plan
 
@@ -58,12 +59,13 @@ def cast_for_inference(model: nn.Module, precision_cfg, dtype: torch.dtype) -> n
 
 @torch.no_grad()
 def accuracy(model: nn.Module, dataset, device: torch.device, batch_size: int = 256) -> float:
-    model.eval().to(device)
+    """Top-1 accuracy in eval mode; the model's own modes are restored afterwards."""
     correct = total = 0
-    for inputs, targets in DataLoader(dataset, batch_size=batch_size):
-        logits = model(inputs.to(device))
-        correct += int((logits.float().argmax(dim=1) == targets.to(device)).sum())
-        total += targets.numel()
+    with eval_mode(model.to(device)):
+        for inputs, targets in DataLoader(dataset, batch_size=batch_size):
+            logits = model(inputs.to(device))
+            correct += int((logits.float().argmax(dim=1) == targets.to(device)).sum())
+            total += targets.numel()
     return correct / max(total, 1)
 
 

@@ -102,8 +102,15 @@ class PrecisionSection:
     """Keep normalisation layers (BatchNorm, LayerNorm, GroupNorm) in fp32, after the rules (Apex's keep_batchnorm_fp32)."""
     rules: List[RuleSection] = field(default_factory=list)
     """Per-layer dtype rules; the first rule matching a module wins; a module without a match inherits its parent's."""
+    autocast: Optional[bool] = None
+    """Run the forward pass under torch.autocast in compute_dtype (torch picks the dtype per op); false: every
+    layer computes in the dtype its parameters are stored in (Apex O2/O3, Lightning's *-true). null: on when
+    compute_dtype is float16 or bfloat16."""
     loss_scale: str = "dynamic"
-    """`dynamic` (GradScaler), `none`, or a fixed number; only used when computing in float16."""
+    """`dynamic` (GradScaler), `none`, or a fixed number; used whenever a gradient is float16 (fp16 autocast, or
+    fp16 parameters)."""
+    max_scale: float = 16777216.0
+    """The dynamic loss scale never grows past this (2^24, as Apex)."""
     init_scale: float = 65536.0
     """GradScaler's initial scale."""
     growth_factor: float = 2.0
@@ -202,6 +209,9 @@ class RunSection:
     """Evaluate on the held-out split every N epochs (and always after the last)."""
     max_steps_per_epoch: Optional[int] = None
     """Stop each epoch after this many steps (for smoke runs); None trains on the whole shard."""
+    freeze_norm: bool = False
+    """Keep every normalisation layer in eval mode for the whole run (running statistics frozen, as when
+    fine-tuning), under every preset, resume included."""
 
 
 @dataclass

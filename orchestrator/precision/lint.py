@@ -1,8 +1,11 @@
 """Dangerous precision combinations, found on the driver before Ray starts.
 
-Each finding says what is wrong, where, and the fix. `precision.lint` decides
-whether findings stop the job (`error`, exit 2), are printed (`warn`), or skipped.
+Each finding says what is wrong, where, and the fix, and is an error or a warning.
+`precision.lint` decides what they do: `error` (errors stop the job with exit 2, warnings are
+printed), `warn` (everything is printed, training goes on), or `off` (not checked).
 """
+
+import math
 
 import torch
 from torch import nn
@@ -11,54 +14,101 @@ from orchestrator.precision.amp import dtype_name
 from orchestrator.precision.mixed import bf16_unsupported
 from orchestrator.precision.policy import NORM_TYPES, Policy, plan, unmatched_rules
 
+SIMULATED_STEPS = 100
+SIMULATED_GRADIENT = 1e-5
+"""A small but ordinary gradient: its square (1e-10) is below float16's smallest subnormal (6e-8)."""
 
-def _underflows(value: float, dtype: torch.dtype) -> bool:
-    return value > 0 and torch.tensor(value, dtype=dtype).item() == 0.0
+
+class Finding(str):
+    """A lint message with its severity: `error` or `warning`."""
+
+    severity: str
+
+    def __new__(cls, message: str, severity: str = "error") -> "Finding":
+        finding = super().__new__(cls, message)
+        finding.severity = severity
+        return finding
 
 
-def lint(cfg, model: nn.Module) -> list[str]:
+def _adam_drift(cfg, dtype: torch.dtype) -> tuple[float, float]:
+    """(where the job's optimizer moves a weight in `dtype`, where it moves it in fp32) after SIMULATED_STEPS
+    steps of a constant SIMULATED_GRADIENT: the optimizer's real kernels, state kept in the parameter dtype."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.train.optim import build_optimizer
+
+    optim = OmegaConf.merge(cfg.optim, {"weight_decay": 0.0})  # decay pulls toward 0: not what is measured
+    moved = []
+    for param_dtype in (dtype, torch.float32):
+        param = nn.Parameter(torch.zeros(4, dtype=param_dtype))
+        optimizer = build_optimizer(optim, [param])
+        for _ in range(SIMULATED_STEPS):
+            param.grad = torch.full_like(param, SIMULATED_GRADIENT)
+            optimizer.step()
+        moved.append(float(param.detach().float().mean()))
+    return moved[0], moved[1]
+
+
+def _smallest_surviving_update(dtype: torch.dtype) -> float:
+    """The smallest change of a weight of magnitude 1 that rounding to `dtype` keeps (half its spacing)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def lint(cfg, model: nn.Module) -> list[Finding]:
     policy = Policy.from_config(cfg.precision)
     amp = policy.amp
     plans = plan(model, policy)
-    findings = []
+    findings: list[Finding] = []
 
     half_layers = {p.name: p.param_dtype for p in plans.values() if p.has_params and p.param_dtype != torch.float32}
-    if cfg.optim.name in ("adam", "adamw") and half_layers and not policy.master_weights:
-        for dtype in sorted(set(half_layers.values()), key=str):
-            if _underflows(cfg.optim.eps, dtype):
-                findings.append(
-                    f"optim.eps={cfg.optim.eps:g} underflows to 0 in {dtype_name(dtype)}, the dtype of "
-                    f"{len(half_layers)} layers' parameters, without master weights: Adam divides by ~0 and "
-                    "the weights become NaN. Fix: set precision.master_weights: true (or raise optim.eps).")
+    half_state = sorted(set(half_layers.values()), key=str) if not policy.master_weights else []
+    for dtype in half_state:
+        if cfg.optim.name in ("adam", "adamw"):
+            moved, reference = _adam_drift(cfg, dtype)
+            if not math.isfinite(moved) or abs(moved - reference) > 0.1 * abs(reference):
+                findings.append(Finding(
+                    f"optim.name={cfg.optim.name} keeps its state in {dtype_name(dtype)} ({len(half_layers)} layers' "
+                    f"parameters, no master weights): v = g^2 underflows there (a gradient of {SIMULATED_GRADIENT:g} "
+                    f"squares to {SIMULATED_GRADIENT ** 2:g}) and the update divides by ~optim.eps="
+                    f"{cfg.optim.eps:g}. Measured with this job's optimizer (optim.implementation="
+                    f"{cfg.optim.implementation}, optim.lr={cfg.optim.lr:g}): {SIMULATED_STEPS} steps of that gradient "
+                    f"move a weight by {moved:.3g} instead of {reference:.3g}. Fix: set precision.master_weights: "
+                    "true (the optimizer steps fp32 copies), or use bfloat16 (fp32's exponent range).")
+                )
+        elif cfg.optim.name == "sgd":
+            smallest = _smallest_surviving_update(dtype)
+            findings.append(Finding(
+                f"optim.name=sgd steps {dtype_name(dtype)} parameters without master weights: an update smaller than "
+                f"half the {dtype_name(dtype)} spacing is rounded away. At optim.lr={cfg.optim.lr:g} a weight of "
+                f"magnitude 1 changes only when lr x |gradient| >= {smallest:.3g}, i.e. |gradient| >= "
+                f"{smallest / cfg.optim.lr:.3g}; smaller updates are lost. Fix: set precision.master_weights: true.",
+                severity="warning"))
 
     fp16_norms = [p.name for name, p in plans.items()
                   if p.param_dtype == torch.float16 and isinstance(model.get_submodule(name), NORM_TYPES)]
     if fp16_norms:
-        findings.append(
+        findings.append(Finding(
             f"normalisation layers in float16 ({', '.join(fp16_norms[:4])}{', ...' if len(fp16_norms) > 4 else ''}): "
             "their running statistics and variance overflow or lose precision, in train and eval mode. "
-            "Fix: set precision.keep_norm_fp32: true (or a rule {match: 'BatchNorm*', dtype: float32}).")
+            "Fix: set precision.keep_norm_fp32: true (or a rule {match: 'BatchNorm*', dtype: float32})."))
 
-    uses_fp16 = policy.compute_dtype == torch.float16 or any(d == torch.float16 for d in half_layers.values())
-    if uses_fp16 and not amp.scaler_enabled:
-        findings.append(
-            "float16 without loss scaling (precision.loss_scale: none): small gradients underflow to zero. "
-            "Fix: set precision.loss_scale: dynamic" + ("" if policy.master_weights or not half_layers
-                                                        else " and precision.master_weights: true") + ".")
-
-    if half_layers and amp.scaler_enabled and not policy.master_weights:
-        findings.append(
-            "float16 parameters with loss scaling but without master weights: GradScaler cannot unscale "
-            "float16 gradients. Fix: set precision.master_weights: true.")
+    if policy.fp16_gradients and amp.loss_scale == "none":
+        where = " and ".join(part for part in (
+            "float16 autocast" if policy.autocast and policy.compute_dtype == torch.float16 else "",
+            f"float16 parameters in {sum(d == torch.float16 for d in half_layers.values())} layers"
+            if torch.float16 in half_layers.values() else "") if part)
+        findings.append(Finding(
+            f"float16 gradients ({where}) without loss scaling (precision.loss_scale: none): gradients below "
+            "float16's smallest value (6e-8) underflow to zero. Fix: set precision.loss_scale: dynamic."))
 
     if cfg.scaling.use_gpu and torch.cuda.is_available():  # this machine's GPU; the workers check their own
         problem = bf16_unsupported(policy, torch.device("cuda"))
         if problem:
-            findings.append(problem)
+            findings.append(Finding(problem))
 
     for rule in unmatched_rules(model, policy):
-        findings.append(
+        findings.append(Finding(
             f"precision.rules: '{rule.match}' matches no layer of {cfg.model.name}. Fix: match a class name "
             "(e.g. Linear, BatchNorm2d) or a qualified name (e.g. features.0, classifier.*); "
-            "`python -m orchestrator.submit JOB --dry-run` shows the config, the audit lists layer names.")
+            "`python -m orchestrator.submit JOB --dry-run` shows the config, the audit lists layer names."))
     return findings

@@ -48,7 +48,8 @@ class Precision:
         problem = bf16_unsupported(self.policy, device)
         if problem:
             raise RuntimeError(f"precision: {problem}")
-        self.guard = GuardedScaler(self.policy.amp, section.scaler, device, rank, world_size)
+        self.guard = GuardedScaler(self.policy.amp, section.scaler, device, rank, world_size,
+                                   enabled=self.policy.scaler_enabled)
         self.masters: Optional[MasterWeights] = None
         self.audit: Optional[Audit] = None
         """Records the first step's output dtypes; None once closed."""

@@ -7,6 +7,7 @@ wins), and `keep_norm_fp32`. `plan()` resolves it to one `LayerPlan` per module;
 its dtype and hand its neighbours what they expect. Apply before DDP wrapping.
 """
 
+import copy
 import fnmatch
 from dataclasses import dataclass, replace
 from functools import partial
@@ -71,9 +72,23 @@ class Policy:
     def autocast(self) -> bool:
         return self.amp.autocast_enabled
 
+    def stores(self, dtype: torch.dtype) -> bool:
+        """Whether some layer stores its parameters in `dtype` (a rule that matches nothing is a lint finding)."""
+        return self.param_dtype == dtype or any(rule.dtype == dtype for rule in self.rules)
+
     def uses(self, dtype: torch.dtype) -> bool:
         """Whether any layer computes or stores in `dtype` under this policy."""
-        return dtype in (self.compute_dtype, self.param_dtype) or any(rule.dtype == dtype for rule in self.rules)
+        return (self.autocast and self.compute_dtype == dtype) or self.stores(dtype)
+
+    @property
+    def fp16_gradients(self) -> bool:
+        """Some gradient is float16: fp16 autocast, or a layer whose parameters are float16."""
+        return (self.autocast and self.compute_dtype == torch.float16) or self.stores(torch.float16)
+
+    @property
+    def scaler_enabled(self) -> bool:
+        """Loss scaling follows the gradients: on whenever one is float16, unless `loss_scale: none`."""
+        return self.fp16_gradients and self.amp.loss_scale != "none"
 
     def with_promoted(self, layers: Sequence[str]) -> "Policy":
         """This policy with each named layer (qualified name) moved to fp32, ahead of every other rule."""
@@ -96,9 +111,17 @@ class LayerPlan:
     has_params: bool
     type_is_autocast: bool
     """Conv or Linear: autocast runs it in the compute dtype."""
+    keeps_neighbour_dtype: bool = False
+    """A normalisation layer kept in fp32 among half layers: its kernel computes in fp32 but takes and returns
+    its neighbours' half dtype (as cuDNN's BatchNorm and Apex O2), so no fp32 activations are saved around
+    it. `apply` turns it off where the device's kernel cannot mix dtypes."""
 
-    def promised_output_dtype(self, policy: Policy) -> Optional[torch.dtype]:
-        """The output dtype this layer is held to after a step; None where nothing is promised."""
+    def promised_output_dtype(self, policy: Policy, input_dtype: Optional[torch.dtype] = None
+                              ) -> Optional[torch.dtype]:
+        """The output dtype this layer is held to after a step; None where nothing is promised.
+        `input_dtype`: what the layer was given (a layer that keeps its neighbours' dtype returns it)."""
+        if self.keeps_neighbour_dtype:
+            return input_dtype
         if self.in_region and self.has_params:
             return self.param_dtype
         if not self.has_params:
@@ -119,8 +142,10 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
         if rule is None and policy.keep_norm_fp32 and isinstance(module, NORM_TYPES):
             decided_by, dtype = "keep_norm_fp32", torch.float32
         in_region = dtype is not None or (parent is not None and parent.in_region)
+        inherited = parent.param_dtype if parent is not None else policy.param_dtype
+        neighbours = policy.compute_dtype if policy.autocast else inherited
         if dtype is None:
-            dtype = parent.param_dtype if parent is not None else policy.param_dtype
+            dtype = inherited
         plans[name] = LayerPlan(
             name=name or "(model)",
             type=type(module).__name__,
@@ -130,6 +155,8 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
             rule=decided_by or (parent.rule if parent is not None and parent.in_region else None),
             has_params=any(True for _ in module.parameters(recurse=False)),
             type_is_autocast=isinstance(module, AUTOCAST_TYPES),
+            keeps_neighbour_dtype=decided_by is not None and dtype == torch.float32 and isinstance(module, NORM_TYPES)
+            and neighbours != torch.float32,
         )
     return plans
 
@@ -165,22 +192,53 @@ def _exit_fp_region(module: nn.Module, args: tuple, output: Any) -> None:
         regions.pop().__exit__(None, None, None)
 
 
+_MIXED_NORM_KERNELS: dict[tuple[type, torch.dtype, str], bool] = {}
+
+
+def mixed_norm_kernel(module: nn.Module, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether this norm layer's kernel takes `dtype` inputs with fp32 parameters on `device_type` and returns
+    `dtype` (tried once per layer type on a tiny tensor; CPU and CUDA kernels of torch 2.x do for all four)."""
+    key = (type(module), dtype, device_type)
+    if key not in _MIXED_NORM_KERNELS:
+        probe = copy.deepcopy(module).float().to(device_type)
+        if isinstance(probe, nn.LayerNorm):
+            shape = (2, *probe.normalized_shape)
+        else:
+            channels = probe.num_channels if isinstance(probe, nn.GroupNorm) else probe.num_features
+            shape = (2, channels, 2) if isinstance(probe, nn.BatchNorm1d) else (2, channels, 2, 2)
+            shape = shape + (2,) if isinstance(probe, (nn.BatchNorm3d, nn.InstanceNorm3d)) else shape
+        try:
+            with torch.no_grad(), torch.autocast(device_type, enabled=False):
+                _MIXED_NORM_KERNELS[key] = probe(torch.ones(shape, dtype=dtype, device=device_type)).dtype == dtype
+        except (RuntimeError, TypeError, ValueError):
+            _MIXED_NORM_KERNELS[key] = False
+    return _MIXED_NORM_KERNELS[key]
+
+
 def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_type: Optional[str]) -> nn.Module:
     """Cast each module's own parameters and floating buffers, and install the compute hooks.
 
     `device_type` is the autocast device of training; None for inference without autocast
-    (export), where only the input casts are needed.
+    (export, on the CPU), where only the input casts are needed. A layer planned to keep its
+    neighbours' dtype whose kernel cannot mix dtypes on this device gets its inputs cast instead
+    (its entry in `plans` is updated).
     """
     autocast = policy.autocast and device_type is not None
+    neighbours = policy.compute_dtype if policy.autocast else policy.param_dtype
     for name, module in model.named_modules():
         layer = plans[name]
+        if layer.keeps_neighbour_dtype and not mixed_norm_kernel(module, neighbours, device_type or "cpu"):
+            layer = plans[name] = replace(layer, keeps_neighbour_dtype=False)
         for param in module.parameters(recurse=False):
             param.data = param.data.to(layer.param_dtype)
         for key, buffer in module.named_buffers(recurse=False):
             if buffer.is_floating_point():
                 module._buffers[key] = buffer.to(layer.param_dtype)
-        # Cast inputs to what the layer stores, except where autocast already decides (fp32 layers under O1).
-        if layer.region or (layer.has_params and not (autocast and layer.param_dtype == torch.float32)):
+        # Cast inputs to what the layer stores, except where autocast already decides (fp32 layers under O1),
+        # and where the layer's fp32 kernel takes its neighbours' dtype as it is.
+        if layer.keeps_neighbour_dtype:
+            pass
+        elif layer.region or (layer.has_params and not (autocast and layer.param_dtype == torch.float32)):
             module.register_forward_pre_hook(partial(_cast_inputs_hook, dtype=layer.param_dtype), with_kwargs=True)
         if layer.region and autocast:
             module.register_forward_pre_hook(partial(_enter_fp_region, device_type=device_type), prepend=True)
@@ -189,10 +247,10 @@ def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_
 
 
 class Audit:
-    """Records the output dtype of every layer in one forward pass, then compares with the plan."""
+    """Records the input and output dtypes of every layer in one forward pass, then compares with the plan."""
 
     def __init__(self, model: nn.Module, policy: Policy, plans: dict[str, LayerPlan]):
-        self.policy, self.plans, self.outputs = policy, plans, {}
+        self.policy, self.plans, self.outputs, self.inputs = policy, plans, {}, {}
         self.modules = dict(model.named_modules())
         self.handles = [
             module.register_forward_hook(partial(self._record, name=name)) for name, module in self.modules.items()
@@ -201,11 +259,12 @@ class Audit:
     def _record(self, module: nn.Module, args: tuple, output: Any, *, name: str) -> None:
         if name in self.outputs:
             return
-        first = output
-        while isinstance(first, (tuple, list)) and first:
-            first = first[0]
-        if isinstance(first, torch.Tensor):
-            self.outputs[name] = first.dtype
+        for value, into in ((output, self.outputs), (args, self.inputs)):
+            first = value
+            while isinstance(first, (tuple, list)) and first:
+                first = first[0]
+            if isinstance(first, torch.Tensor):
+                into[name] = first.dtype
 
     def close(self) -> list[dict[str, Any]]:
         """Remove the hooks and return one entry per layer that has parameters or a rule."""
@@ -217,7 +276,7 @@ class Audit:
             if not (layer.has_params or layer.region):
                 continue
             params = list(module.parameters(recurse=False))
-            promised_out = layer.promised_output_dtype(self.policy)
+            promised_out = layer.promised_output_dtype(self.policy, self.inputs.get(name))
             out = self.outputs.get(name)
             entries.append({
                 "name": layer.name,
@@ -227,6 +286,7 @@ class Audit:
                 "promised_param_dtype": dtype_name(layer.param_dtype),
                 "promised_output_dtype": dtype_name(promised_out) if promised_out is not None else None,
                 "rule": layer.rule,
+                "autocast": self.policy.autocast,
             })
         return entries
 

@@ -72,9 +72,11 @@ class GuardedScaler:
     rank: int = 0
     world_size: int = 1
     counters: Counters = field(default_factory=Counters)
+    enabled: Optional[bool] = None
+    """Whether a GradScaler runs (`Policy.scaler_enabled`); None: for fp16 autocast, as AmpSettings says."""
 
     def __post_init__(self) -> None:
-        self.scaler = make_scaler(self.amp, self.device.type)
+        self.scaler = make_scaler(self.amp, self.device.type, self.enabled)
         self.dynamic = self.scaler.is_enabled() and self.amp.loss_scale == "dynamic"
         self.agree_each_step = self.scaler.is_enabled() or self.guard.on_nan_loss == "skip"
         self.overflow_log: list[dict[str, Any]] = []
@@ -170,6 +172,9 @@ class GuardedScaler:
             if self.counters.clean_streak == self.amp.growth_interval:
                 self.counters.growth_events += 1
                 self.counters.clean_streak = 0
+                # The scale just grew (the host mirrors GradScaler's growth tracker): cap it, on the device,
+                # without a sync. `_scale` is GradScaler's private scale tensor (stable since torch 1.6).
+                self.scaler._scale.clamp_(max=self.amp.max_scale)
 
     def _collapse_reason(self) -> Optional[str]:
         limit = self.guard.max_consecutive_skips

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from orchestrator.precision import LossScaleCollapsed, StepOutcome
 from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
+from orchestrator.train.modes import eval_mode
 from orchestrator.train.state import TrainState
 from orchestrator.train.training import Training
 
@@ -125,18 +126,17 @@ def evaluate(training: Training, loader, device: torch.device) -> dict[str, floa
     """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
     prepared, precision = training.prepared, training.precision
     model = prepared.model
-    model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     count = 0
-    for inputs, targets in loader:
-        inputs, targets = prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
-        with precision.forward():
-            logits = model(inputs)
-        loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").double()
-        correct += (logits.argmax(dim=1) == targets).sum()
-        count += targets.numel()
-    model.train()
+    with eval_mode(model):  # afterwards every module is back in its own mode (a frozen BatchNorm stays frozen)
+        for inputs, targets in loader:
+            inputs, targets = prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
+            with precision.forward():
+                logits = model(inputs)
+            loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").double()
+            correct += (logits.argmax(dim=1) == targets).sum()
+            count += targets.numel()
     total_loss, total_correct, total = all_reduce([loss_sum.item(), float(correct.item()), float(count)], device)
     return {"eval/loss": total_loss / max(total, 1.0), "eval/accuracy": total_correct / max(total, 1.0)}
 

@@ -16,6 +16,7 @@ from torch import nn
 from orchestrator.precision.mixed import Precision
 from orchestrator.train.memory import param_bytes_by_dtype
 from orchestrator.train.models import build_model
+from orchestrator.train.modes import freeze_norm
 from orchestrator.train.optim import build_optimizer, build_scheduler
 from orchestrator.train.state import TrainState
 
@@ -126,6 +127,8 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     if state is not None:
         model.load_state_dict(state.model)
     memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
+    if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
+        freeze_norm(model)
     model.to(device, memory_format=memory_format)  # before masters: their copies keep the layout
     broadcast_from_rank0(model)
     precision.prepare(model)

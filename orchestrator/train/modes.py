@@ -1,0 +1,33 @@
+"""Train/eval modes belong to the user: what we run restores them, and `run.freeze_norm` pins norms to eval.
+
+A module the user put in eval mode (a frozen BatchNorm when fine-tuning) must still be in eval
+mode after an evaluation, an export or a summary; `eval_mode` restores every module's own flag
+rather than calling `model.train()` on the whole tree.
+"""
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from torch import nn
+
+from orchestrator.precision.policy import NORM_TYPES
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in eval mode inside; afterwards each module's training flag is what it was before."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def freeze_norm(model: nn.Module) -> int:
+    """Put every normalisation layer in eval mode: its running statistics stay as they are. Returns how many."""
+    norms = [module for module in model.modules() if isinstance(module, NORM_TYPES)]
+    for module in norms:
+        module.eval()
+    return len(norms)
