@@ -20,10 +20,8 @@ from orchestrator.train import data, faults, models
 
 from orchestrator.run import remote
 from orchestrator.config import load_job, to_yaml
-from orchestrator.errors import BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from orchestrator.tracking.secrets import redact
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

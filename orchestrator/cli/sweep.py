@@ -26,10 +26,8 @@ from orchestrator.train import data, faults, models
 
 from orchestrator.run import remote
 from orchestrator.config import flatten, load_job
-from orchestrator.errors import BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from orchestrator.tracking.secrets import redact
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass

@@ -20,10 +20,9 @@ from omegaconf import DictConfig
 
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.errors import BadInput
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput
 from orchestrator.tracking.secrets import redact
 
-EXIT_OK, EXIT_FAILED = 0, 1
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
 
