@@ -22,9 +22,10 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.train import data, faults, models
+from orchestrator.train import models
 
 from orchestrator.run import remote
+from orchestrator.run.preflight import RunChoice
 from orchestrator.config import flatten, load_job
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from orchestrator.tracking.secrets import redact
@@ -39,6 +40,8 @@ class SweepPlan:
     """The parent run's name; child runs are `<name>-<preset>`."""
     configs: dict[str, DictConfig]
     """Each preset's resolved job config, in sweep order (the first is the baseline)."""
+    runs: list[RunChoice]
+    """Each preset's run, in the same order, as the pre-flight chose it (`<name>-<preset>`)."""
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -104,24 +107,9 @@ def check_precision_keys(job_path: Path, overrides: list[str], configs: dict[str
               "apply on top of every preset of the sweep.", file=sys.stderr)
 
 
-def check_lint(preset: str, cfg: DictConfig, model) -> None:
-    """The precision lint for one preset: findings stop the sweep (`error`), are printed (`warn`) or skipped."""
-    from orchestrator.precision.lint import lint
-
-    findings = lint(cfg, model) if cfg.precision.lint != "off" else []
-    if not findings:
-        return
-    listed = "\n".join(f"  - {finding}" for finding in findings)
-    if cfg.precision.lint == "error":
-        raise BadInput(f"preset {preset}: precision lint found {len(findings)} problem(s):\n{listed}\n"
-                       f"Drop {preset} from --presets, fix the policy, or pass precision.lint=warn to run it anyway.")
-    print(f"warning: preset {preset}: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
-
-
 def validate(args: argparse.Namespace) -> SweepPlan:
-    """Everything submit checks, for every preset, before anything starts; BadInput (exit 2) otherwise."""
-    from orchestrator.run import records as records
-    from orchestrator.run.launch import check_local_capacity
+    """Submit's pre-flight, for every preset, before anything starts; BadInput (exit 2) otherwise."""
+    from orchestrator.run.preflight import preflight
 
     if remote.is_job_server_address(args.address):
         raise BadInput(f"--address {redact(args.address)}: the sweep does not submit to a job server; it runs "
@@ -138,19 +126,8 @@ def validate(args: argparse.Namespace) -> SweepPlan:
     configs = {p: load_job(job_path, [*args.overrides, f"precision.preset={p}", f"run.name={name}-{p}"])
                for p in presets}
     check_precision_keys(job_path, args.overrides, configs)
-    base = configs[presets[0]]
-    data.ensure_available(base.data)
-    model = models.build_model(base.model)  # on the CPU here: a broken model fails before Ray starts
-    for preset, cfg in configs.items():
-        check_lint(preset, cfg, model)
-    faults.check(base.faults, model)
-    if not args.address:
-        check_local_capacity(base)
-    for preset, cfg in configs.items():
-        if records.run_exists(cfg.checkpoint.storage_path, cfg.run.name):
-            raise BadInput(f"run.name: a run named '{cfg.run.name}' already exists in {cfg.checkpoint.storage_path}. "
-                           "Choose another run.name for the sweep.")
-    return SweepPlan(job_path, list(args.overrides), args.address, name, configs)
+    checked = preflight(list(configs.values()), job_path, args.address)
+    return SweepPlan(job_path, list(args.overrides), args.address, name, configs, checked.runs)
 
 
 def start_parent(plan: SweepPlan, max_accuracy_drop: float):
@@ -184,12 +161,12 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]
     from orchestrator.run.driver import execute, plan_run
 
     results = []
-    for number, (preset, cfg) in enumerate(plan.configs.items(), start=1):
+    for number, ((preset, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
         _ctrl_c_interrupts()
         print(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===", file=sys.stderr)
         child = None
         try:
-            child = plan_run(cfg, plan.job_path, plan.address, False, parent_run_id=parent.run_id)
+            child = plan_run(cfg, plan.job_path, plan.address, run, parent_run_id=parent.run_id)
             exit_code = execute(child)
         except (KeyboardInterrupt, SystemExit):
             if child is not None and child.tracker is not None and child.tracker.status() == "RUNNING":

@@ -1,8 +1,8 @@
-"""What `submit` does with a valid job: one MLflow run, Ray, the trainer, and a clean end.
+"""What `submit` does with a job the pre-flight passed: one MLflow run, Ray, the trainer, and a clean end.
 
-`plan_run()` settles everything that can still be refused with exit 2 (which run, resume or not,
-MLflow reachable) and only then creates or reopens the MLflow run; `execute()` starts (or joins)
-Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
+`plan_run()` settles what can still be refused with exit 2 (MLflow reachable) and only then creates
+or reopens the MLflow run of the run the pre-flight chose (`orchestrator.run.preflight`); `execute()`
+starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
 """
 
 import os
@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput
+from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.run.preflight import RunChoice
 from orchestrator.tracking.secrets import redact
 
 HEALTH_CHECK_INTERVAL_S = 0.5
@@ -41,10 +42,6 @@ class RunPlan:
     """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
 
 
-def default_run_name(job_path: Path) -> str:
-    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
     from orchestrator.tracking.tracker import RunTracker, git_commit
 
@@ -60,29 +57,21 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
     return RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
 
 
-def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bool,
+def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice,
              parent_run_id: Optional[str] = None) -> RunPlan:
-    """Which run, and its MLflow run; BadInput (exit 2) before anything is created when it cannot be.
+    """The MLflow run of `run` (as `preflight` chose it), created or reopened; BadInput (exit 2) before
+    anything is created when MLflow cannot be reached and `tracking.required`.
 
     `parent_run_id`: create the MLflow run as a child of that run (`orchestrator.cli.sweep`).
     """
-    from orchestrator.run import records as records
     from orchestrator.tracking.tracker import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
 
     quick_http_failures()
     uri = resolve_uri(cfg.tracking.uri, Path.cwd())
-    storage = cfg.checkpoint.storage_path
-    if resume:
-        record = records.find_resumable(storage, job_path)
-        run_name = record["run_name"]
-    else:
-        run_name = cfg.run.name or default_run_name(job_path)
-        if records.run_exists(storage, run_name):
-            raise BadInput(f"run.name: a run named '{run_name}' already exists in {storage}. Continue it with "
-                           "--resume, or choose another run.name.")
+    run_name, resume = run.name, run.resume
     try:
-        if resume and record.get("run_id"):
-            tracker = RunTracker.open(uri, record["run_id"])
+        if resume and run.mlflow_run_id:
+            tracker = RunTracker.open(uri, run.mlflow_run_id)
             tracker.reopen()
         else:
             tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id)
@@ -126,7 +115,8 @@ def execute(plan: RunPlan) -> int:
     from ray.train import TrainingFailedError
 
     from orchestrator.run import records as records
-    from orchestrator.run.launch import build_trainer, check_cluster_capacity
+    from orchestrator.run.launch import build_trainer
+    from orchestrator.run.preflight import check_cluster_capacity
     from orchestrator.tracking.writer import MlflowWriter
     from orchestrator.tracking.progress import ConsoleProgress
     from orchestrator.tracking.relay import RelayCallback, ReportRelay
