@@ -155,8 +155,8 @@ def start_parent(plan: SweepPlan, max_accuracy_drop: float):
                             config_yaml=header + yaml.safe_dump(common, sort_keys=False))
 
 
-def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]]:
-    """Each preset's run, in order: (preset, MLflow run id or None, exit code). A failed child does not stop
+def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
+    """Each preset's run, in order: (preset, its RunTracker or None, exit code). A failed child does not stop
     the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
     from orchestrator.run.driver import execute, plan_run
 
@@ -175,8 +175,7 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]
         except Exception as exc:  # a driver-side error in one child (execute closed its run FAILED)
             print(f"error: preset {preset} failed: {redact(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
             exit_code = EXIT_FAILED
-        run_id = child.tracker.run_id if child is not None and child.tracker is not None else None
-        results.append((preset, run_id, exit_code))
+        results.append((preset, child.tracker if child is not None else None, exit_code))
     return results
 
 
@@ -195,10 +194,10 @@ def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
     from orchestrator.tracking.plots import _pyplot
     from orchestrator.cli.sweep_report import comparison_figure, markdown_table
 
-    parent.client.log_text(parent.run_id, json.dumps(rows, indent=2), "sweep/comparison.json")
-    parent.client.log_text(parent.run_id, markdown_table(rows), "sweep/comparison.md")
+    parent.log_text(json.dumps(rows, indent=2), "sweep/comparison.json")
+    parent.log_text(markdown_table(rows), "sweep/comparison.md")
     figure = comparison_figure(rows)
-    parent.client.log_figure(parent.run_id, figure, "sweep/comparison.png")
+    parent.log_figure(figure, "sweep/comparison.png")
     _pyplot().close(figure)
     parent.log_metrics({f"sweep/{row['preset']}/{key}": value for row in rows for key, value in row.items()
                         if isinstance(value, (int, float)) and not isinstance(value, bool)})
@@ -208,7 +207,6 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     """Run the children on one Ray, log and print the comparison; the parent always ends FINISHED (every
     child finished), FAILED or KILLED."""
     import ray
-    from mlflow import MlflowClient
 
     from orchestrator.run.driver import init_ray, interrupt_on_sigterm
     from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
@@ -224,9 +222,8 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         started_ray, _ = init_ray(plan.address, models.module_source(base.model.name))
         previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
-        client = MlflowClient(tracking_uri=parent.uri)
         _ctrl_c_interrupts()
-        rows = add_baseline_ratios([child_row(client, *result) for result in results])
+        rows = add_baseline_ratios([child_row(tracker, preset, exit_code) for preset, tracker, exit_code in results])
         log_comparison(parent, rows)
         failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
         parent.finish("FAILED" if failed else "FINISHED")
