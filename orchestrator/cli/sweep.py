@@ -159,6 +159,7 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
     """Each preset's run, in order: (preset, its RunTracker or None, exit code). A failed child does not stop
     the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
     from orchestrator.run.driver import execute, plan_run
+    from orchestrator.run.records import close_run
 
     results = []
     for number, ((preset, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
@@ -170,7 +171,7 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
             exit_code = execute(child)
         except (KeyboardInterrupt, SystemExit):
             if child is not None and child.tracker is not None and child.tracker.status() == "RUNNING":
-                child.tracker.finish("KILLED")
+                close_run(child.tracker, "KILLED", 10, cfg.checkpoint.storage_path, run.name)
             raise
         except Exception as exc:  # a driver-side error in one child (execute closed its run FAILED)
             print(f"error: preset {preset} failed: {redact(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
@@ -209,6 +210,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     import ray
 
     from orchestrator.run.driver import init_ray, interrupt_on_sigterm
+    from orchestrator.run.records import close_run
     from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
     from orchestrator.tracking.tracker import view_hint
 
@@ -226,14 +228,14 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         rows = add_baseline_ratios([child_row(tracker, preset, exit_code) for preset, tracker, exit_code in results])
         log_comparison(parent, rows)
         failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
-        parent.finish("FAILED" if failed else "FINISHED")
+        close_run(parent, "FAILED" if failed else "FINISHED", base.tracking.flush_timeout_s)
     except (KeyboardInterrupt, SystemExit):  # SystemExit: Ctrl-C through Ray Train's handler (see above)
-        parent.finish("KILLED")
+        close_run(parent, "KILLED", 10)
         print(f"\nsweep interrupted: parent run {parent.run_id} and the running child marked KILLED.",
               file=sys.stderr)
         return EXIT_INTERRUPTED
     except BaseException:
-        parent.finish("FAILED")
+        close_run(parent, "FAILED", 10)
         raise
     finally:
         if previous_sigterm is not None:

@@ -2,7 +2,8 @@
 
 `plan_run()` settles what can still be refused with exit 2 (MLflow reachable) and only then creates
 or reopens the MLflow run of the run the pre-flight chose (`orchestrator.run.preflight`); `execute()`
-starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
+starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED
+(`records.close_run`).
 """
 
 import os
@@ -22,6 +23,7 @@ from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.run.preflight import RunChoice
+from orchestrator.run.records import close_run
 from orchestrator.tracking.secrets import redact
 
 HEALTH_CHECK_INTERVAL_S = 0.5
@@ -131,7 +133,7 @@ def execute(plan: RunPlan) -> int:
     try:
         started_ray, worker_runtime_env = init_ray(plan.address, module_source)
     except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
-        _finish(plan.tracker, "FAILED", timeout_s=10)
+        close_run(plan.tracker, "FAILED", timeout_s=10)  # no record yet: nothing in storage to close
         print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
               "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
         return EXIT_FAILED
@@ -164,8 +166,7 @@ def execute(plan: RunPlan) -> int:
             # controller and calls sys.exit.
             interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
             writer.close(timeout_s=10)
-            _finish(writer.tracker, "KILLED" if interrupted else "FAILED", timeout_s=10)
-            records.write_record(storage, plan.run_name, status="KILLED")
+            close_run(writer.tracker, "KILLED" if interrupted else "FAILED", 10, storage, plan.run_name)
             raise
         writer.close(cfg.tracking.flush_timeout_s)
         tracker = writer.tracker
@@ -220,26 +221,14 @@ def summarize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _finish(tracker, status: str, timeout_s: float) -> None:
-    """Set the run's terminal status, retrying while MLflow is flaky; never leaves it RUNNING if MLflow answers."""
-    from orchestrator.tracking.writer import retry
-
-    if tracker is None:
-        return
-    try:
-        retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
-    except Exception as exc:
-        print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
-              f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)
+def _close(plan: RunPlan, tracker, status: str) -> None:
+    close_run(tracker, status, plan.cfg.tracking.flush_timeout_s, plan.cfg.checkpoint.storage_path, plan.run_name)
 
 
 def _failed(plan: RunPlan, tracker, failure) -> int:
-    from orchestrator.run import records as records
-
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
-    _finish(tracker, "FAILED", plan.cfg.tracking.flush_timeout_s)
-    records.write_record(plan.cfg.checkpoint.storage_path, plan.run_name, status="FAILED")
+    _close(plan, tracker, "FAILED")
     print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
@@ -249,12 +238,11 @@ def _failed(plan: RunPlan, tracker, failure) -> int:
 
 
 def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> int:
-    from orchestrator.run import records as records
     from orchestrator.tracking.tracker import view_hint
 
     cfg = plan.cfg
-    records.write_record(cfg.checkpoint.storage_path, plan.run_name, status="FINISHED")
     if tracker is None:
+        _close(plan, tracker, "FINISHED")
         print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
               f"Checkpoints: {result.path}", file=sys.stderr)
         return EXIT_OK
@@ -270,7 +258,7 @@ def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> 
     exit_code = EXIT_OK
     if cfg.export.dtype is not None and result.checkpoint is not None:
         exit_code = _export_after_training(cfg, result.checkpoint, tracker)
-    _finish(tracker, "FINISHED", cfg.tracking.flush_timeout_s)
+    _close(plan, tracker, "FINISHED")
 
     final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
     print(f"\nRun finished: {tracker.run_id}")
