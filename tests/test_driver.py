@@ -3,6 +3,7 @@
 from mlflow import MlflowClient
 
 from orchestrator.run import driver
+from orchestrator.run.preflight import RunChoice
 from orchestrator.config import load_job
 
 from conftest import small_job
@@ -12,7 +13,7 @@ def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(write_job, tm
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = write_job(small_job(tracking={"uri": uri, "experiment": "unreachable"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
-    plan = driver.plan_run(load_job(job), job, "10.255.255.1:6379", resume=False)
+    plan = driver.plan_run(load_job(job), job, "10.255.255.1:6379", RunChoice("unreachable"))
 
     def no_cluster(address, module_source):
         raise ConnectionError(f"could not connect to {address}")

@@ -19,6 +19,7 @@ from orchestrator.config import load_job
 from orchestrator.config.loader import available_presets, configs_dir
 from orchestrator.config.yamlsafe import load_yaml_mapping
 from orchestrator.cli.sweep_report import ROW_KEYS, add_baseline_ratios, child_row, markdown_table, verdict
+from orchestrator.tracking.tracker import RunTracker
 
 # -- the config each child gets ---------------------------------------------------------------------
 
@@ -123,8 +124,11 @@ def test_rows_are_computed_from_the_child_runs_metric_histories(mlflow_uri):
     broken = {"perf/samples_per_s": [(2, 70.0)]}
     ids = [_child(client, experiment_id, fp32, "FINISHED"), _child(client, experiment_id, half, "FINISHED"),
            _child(client, experiment_id, broken, "FAILED")]
-    rows = add_baseline_ratios([child_row(client, "O0", ids[0], 0), child_row(client, "O1", ids[1], 0),
-                                child_row(client, "O3", ids[2], 1)])
+    def tracker(run_id):
+        return RunTracker.open(mlflow_uri, run_id)
+
+    rows = add_baseline_ratios([child_row(tracker(ids[0]), "O0", 0), child_row(tracker(ids[1]), "O1", 0),
+                                child_row(tracker(ids[2]), "O3", 1)])
 
     assert all(tuple(row) == ROW_KEYS for row in rows)
     o0, o1, o3 = rows
@@ -154,7 +158,7 @@ def test_rows_are_computed_from_the_child_runs_metric_histories(mlflow_uri):
 
 
 def test_a_run_mlflow_never_created_is_a_row_of_its_own():
-    row = child_row(None, "O2", None, 1)
+    row = child_row(None, "O2", 1)
     assert tuple(row) == ROW_KEYS and row["status"] == "FAILED" and row["samples_per_s"] is None
 
 

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from orchestrator.train.data import build_datasets
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 from orchestrator.train.modes import eval_mode
-from orchestrator.errors import BadInput
 from orchestrator.precision import Policy, apply, dtype_name, parse_dtype, plan
 
 EXPORT_DTYPES = ("float16", "bfloat16")
@@ -122,13 +122,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = export(model, cfg, args.dtype, tracker, max_drop)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except ExportRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     print(f"exported {args.run_id} as {result.dtype}: accuracy {result.accuracy:.4f} "
           f"(fp32 {result.fp32_accuracy:.4f}, delta {result.accuracy_delta:+.4f}); MLflow model 'model_{result.dtype}'")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from orchestrator.run import remote
-from orchestrator.errors import BadInput
-
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

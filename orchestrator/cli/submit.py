@@ -14,16 +14,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from omegaconf import DictConfig
-
-from orchestrator.train import data, faults, models
-
 from orchestrator.run import remote
 from orchestrator.config import load_job, to_yaml
-from orchestrator.errors import BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from orchestrator.tracking.secrets import redact
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -45,25 +39,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def check_precision(cfg: DictConfig, model) -> None:
-    """Run the precision lint; findings stop the job (`error`), are printed (`warn`) or skipped (`off`)."""
-    from orchestrator.precision.lint import lint
-
-    if cfg.precision.lint == "off":
-        return
-    findings = lint(cfg, model)
-    if not findings:
-        return
-    listed = "\n".join(f"  - {finding}" for finding in findings)
-    if cfg.precision.lint == "error":
-        raise BadInput(f"precision lint found {len(findings)} problem(s) with this job's policy:\n{listed}\n"
-                       "Fix them, or set precision.lint: warn to train anyway.")
-    print(f"warning: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from orchestrator.run.driver import execute, plan_run
-    from orchestrator.run.launch import check_local_capacity
+    from orchestrator.run.preflight import preflight
 
     args = parse_args(argv)
     job_path = Path(args.job)
@@ -75,17 +53,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.dry_run:
             print(redact(to_yaml(cfg)), end="")
             return EXIT_OK
-        if not to_cluster:  # a remote job reads its data on the cluster, which checks it there
-            data.ensure_available(cfg.data)
-        # Built on the CPU here, so a broken model or a dangerous precision policy fails before Ray starts.
-        model = models.build_model(cfg.model)
-        check_precision(cfg, model)
-        faults.check(cfg.faults, model)
+        checked = preflight([cfg], job_path, args.address, resume=args.resume)
         if to_cluster:
             return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
-        if not args.address:
-            check_local_capacity(cfg)
-        plan = plan_run(cfg, job_path, args.address, args.resume)
+        plan = plan_run(cfg, job_path, args.address, checked.runs[0])
     except BadInput as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -22,14 +22,13 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.train import data, faults, models
+from orchestrator.train import models
 
 from orchestrator.run import remote
+from orchestrator.run.preflight import RunChoice
 from orchestrator.config import flatten, load_job
-from orchestrator.errors import BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from orchestrator.tracking.secrets import redact
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass
@@ -41,6 +40,8 @@ class SweepPlan:
     """The parent run's name; child runs are `<name>-<preset>`."""
     configs: dict[str, DictConfig]
     """Each preset's resolved job config, in sweep order (the first is the baseline)."""
+    runs: list[RunChoice]
+    """Each preset's run, in the same order, as the pre-flight chose it (`<name>-<preset>`)."""
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -106,24 +107,9 @@ def check_precision_keys(job_path: Path, overrides: list[str], configs: dict[str
               "apply on top of every preset of the sweep.", file=sys.stderr)
 
 
-def check_lint(preset: str, cfg: DictConfig, model) -> None:
-    """The precision lint for one preset: findings stop the sweep (`error`), are printed (`warn`) or skipped."""
-    from orchestrator.precision.lint import lint
-
-    findings = lint(cfg, model) if cfg.precision.lint != "off" else []
-    if not findings:
-        return
-    listed = "\n".join(f"  - {finding}" for finding in findings)
-    if cfg.precision.lint == "error":
-        raise BadInput(f"preset {preset}: precision lint found {len(findings)} problem(s):\n{listed}\n"
-                       f"Drop {preset} from --presets, fix the policy, or pass precision.lint=warn to run it anyway.")
-    print(f"warning: preset {preset}: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
-
-
 def validate(args: argparse.Namespace) -> SweepPlan:
-    """Everything submit checks, for every preset, before anything starts; BadInput (exit 2) otherwise."""
-    from orchestrator.run import records as records
-    from orchestrator.run.launch import check_local_capacity
+    """Submit's pre-flight, for every preset, before anything starts; BadInput (exit 2) otherwise."""
+    from orchestrator.run.preflight import preflight
 
     if remote.is_job_server_address(args.address):
         raise BadInput(f"--address {redact(args.address)}: the sweep does not submit to a job server; it runs "
@@ -140,19 +126,8 @@ def validate(args: argparse.Namespace) -> SweepPlan:
     configs = {p: load_job(job_path, [*args.overrides, f"precision.preset={p}", f"run.name={name}-{p}"])
                for p in presets}
     check_precision_keys(job_path, args.overrides, configs)
-    base = configs[presets[0]]
-    data.ensure_available(base.data)
-    model = models.build_model(base.model)  # on the CPU here: a broken model fails before Ray starts
-    for preset, cfg in configs.items():
-        check_lint(preset, cfg, model)
-    faults.check(base.faults, model)
-    if not args.address:
-        check_local_capacity(base)
-    for preset, cfg in configs.items():
-        if records.run_exists(cfg.checkpoint.storage_path, cfg.run.name):
-            raise BadInput(f"run.name: a run named '{cfg.run.name}' already exists in {cfg.checkpoint.storage_path}. "
-                           "Choose another run.name for the sweep.")
-    return SweepPlan(job_path, list(args.overrides), args.address, name, configs)
+    checked = preflight(list(configs.values()), job_path, args.address)
+    return SweepPlan(job_path, list(args.overrides), args.address, name, configs, checked.runs)
 
 
 def start_parent(plan: SweepPlan, max_accuracy_drop: float):
@@ -180,28 +155,28 @@ def start_parent(plan: SweepPlan, max_accuracy_drop: float):
                             config_yaml=header + yaml.safe_dump(common, sort_keys=False))
 
 
-def run_children(plan: SweepPlan, parent) -> list[tuple[str, Optional[str], int]]:
-    """Each preset's run, in order: (preset, MLflow run id or None, exit code). A failed child does not stop
+def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
+    """Each preset's run, in order: (preset, its RunTracker or None, exit code). A failed child does not stop
     the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
     from orchestrator.run.driver import execute, plan_run
+    from orchestrator.run.records import close_run
 
     results = []
-    for number, (preset, cfg) in enumerate(plan.configs.items(), start=1):
+    for number, ((preset, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
         _ctrl_c_interrupts()
         print(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===", file=sys.stderr)
         child = None
         try:
-            child = plan_run(cfg, plan.job_path, plan.address, False, parent_run_id=parent.run_id)
+            child = plan_run(cfg, plan.job_path, plan.address, run, parent_run_id=parent.run_id)
             exit_code = execute(child)
         except (KeyboardInterrupt, SystemExit):
             if child is not None and child.tracker is not None and child.tracker.status() == "RUNNING":
-                child.tracker.finish("KILLED")
+                close_run(child.tracker, "KILLED", 10, cfg.checkpoint.storage_path, run.name)
             raise
         except Exception as exc:  # a driver-side error in one child (execute closed its run FAILED)
             print(f"error: preset {preset} failed: {redact(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
             exit_code = EXIT_FAILED
-        run_id = child.tracker.run_id if child is not None and child.tracker is not None else None
-        results.append((preset, run_id, exit_code))
+        results.append((preset, child.tracker if child is not None else None, exit_code))
     return results
 
 
@@ -220,10 +195,10 @@ def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
     from orchestrator.tracking.plots import _pyplot
     from orchestrator.cli.sweep_report import comparison_figure, markdown_table
 
-    parent.client.log_text(parent.run_id, json.dumps(rows, indent=2), "sweep/comparison.json")
-    parent.client.log_text(parent.run_id, markdown_table(rows), "sweep/comparison.md")
+    parent.log_text(json.dumps(rows, indent=2), "sweep/comparison.json")
+    parent.log_text(markdown_table(rows), "sweep/comparison.md")
     figure = comparison_figure(rows)
-    parent.client.log_figure(parent.run_id, figure, "sweep/comparison.png")
+    parent.log_figure(figure, "sweep/comparison.png")
     _pyplot().close(figure)
     parent.log_metrics({f"sweep/{row['preset']}/{key}": value for row in rows for key, value in row.items()
                         if isinstance(value, (int, float)) and not isinstance(value, bool)})
@@ -233,9 +208,9 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     """Run the children on one Ray, log and print the comparison; the parent always ends FINISHED (every
     child finished), FAILED or KILLED."""
     import ray
-    from mlflow import MlflowClient
 
     from orchestrator.run.driver import init_ray, interrupt_on_sigterm
+    from orchestrator.run.records import close_run
     from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
     from orchestrator.tracking.tracker import view_hint
 
@@ -249,19 +224,18 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         started_ray, _ = init_ray(plan.address, models.module_source(base.model.name))
         previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
-        client = MlflowClient(tracking_uri=parent.uri)
         _ctrl_c_interrupts()
-        rows = add_baseline_ratios([child_row(client, *result) for result in results])
+        rows = add_baseline_ratios([child_row(tracker, preset, exit_code) for preset, tracker, exit_code in results])
         log_comparison(parent, rows)
         failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
-        parent.finish("FAILED" if failed else "FINISHED")
+        close_run(parent, "FAILED" if failed else "FINISHED", base.tracking.flush_timeout_s)
     except (KeyboardInterrupt, SystemExit):  # SystemExit: Ctrl-C through Ray Train's handler (see above)
-        parent.finish("KILLED")
+        close_run(parent, "KILLED", 10)
         print(f"\nsweep interrupted: parent run {parent.run_id} and the running child marked KILLED.",
               file=sys.stderr)
         return EXIT_INTERRUPTED
     except BaseException:
-        parent.finish("FAILED")
+        close_run(parent, "FAILED", 10)
         raise
     finally:
         if previous_sigterm is not None:

@@ -41,19 +41,21 @@ def summarize(histories: dict[str, Sequence[Any]]) -> dict[str, Optional[float]]
     }
 
 
-def child_row(client, preset: str, run_id: Optional[str], exit_code: int) -> dict[str, Any]:
-    """A preset's row from its child run (`client`: an MlflowClient). Status FAILED when the child's exit
-    code was not 0, whatever the run says (e.g. a refused export leaves the run FINISHED)."""
+def child_row(tracker, preset: str, exit_code: int) -> dict[str, Any]:
+    """A preset's row from its child run (`tracker`: the child's RunTracker, None when MLflow never created
+    it). Status FAILED when the child's exit code was not 0, whatever the run says (e.g. a refused export
+    leaves the run FINISHED)."""
     row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
-    row.update(preset=preset, run_id=run_id, status="FINISHED" if exit_code == 0 else "FAILED")
-    if run_id is None:  # MLflow never created the run (tracking.required: false and an outage)
+    row.update(preset=preset, run_id=tracker.run_id if tracker is not None else None,
+               status="FINISHED" if exit_code == 0 else "FAILED")
+    if tracker is None:  # MLflow never created the run (tracking.required: false and an outage)
         return row
-    run = client.get_run(run_id)
-    row.update(summarize({key: client.get_metric_history(run_id, key) for key in METRICS}))
+    info = tracker.run_info()
+    row.update(summarize({key: tracker.metric_history(key) for key in METRICS}))
     if exit_code == 0:
-        row["status"] = run.info.status
-    if run.info.end_time and run.info.start_time:
-        row["wall_time_s"] = (run.info.end_time - run.info.start_time) / 1000
+        row["status"] = info.status
+    if info.end_time and info.start_time:
+        row["wall_time_s"] = (info.end_time - info.start_time) / 1000
     return row
 
 

@@ -1,8 +1,9 @@
-"""What `submit` does with a valid job: one MLflow run, Ray, the trainer, and a clean end.
+"""What `submit` does with a job the pre-flight passed: one MLflow run, Ray, the trainer, and a clean end.
 
-`plan_run()` settles everything that can still be refused with exit 2 (which run, resume or not,
-MLflow reachable) and only then creates or reopens the MLflow run; `execute()` starts (or joins)
-Ray, trains, and always closes the run FINISHED, FAILED or KILLED.
+`plan_run()` settles what can still be refused with exit 2 (MLflow reachable) and only then creates
+or reopens the MLflow run of the run the pre-flight chose (`orchestrator.run.preflight`); `execute()`
+starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED
+(`records.close_run`).
 """
 
 import os
@@ -20,10 +21,11 @@ from omegaconf import DictConfig
 
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.errors import BadInput
+from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.run.preflight import RunChoice
+from orchestrator.run.records import close_run
 from orchestrator.tracking.secrets import redact
 
-EXIT_OK, EXIT_FAILED = 0, 1
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
 
@@ -42,10 +44,6 @@ class RunPlan:
     """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
 
 
-def default_run_name(job_path: Path) -> str:
-    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
     from orchestrator.tracking.tracker import RunTracker, git_commit
 
@@ -61,29 +59,21 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
     return RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
 
 
-def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], resume: bool,
+def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice,
              parent_run_id: Optional[str] = None) -> RunPlan:
-    """Which run, and its MLflow run; BadInput (exit 2) before anything is created when it cannot be.
+    """The MLflow run of `run` (as `preflight` chose it), created or reopened; BadInput (exit 2) before
+    anything is created when MLflow cannot be reached and `tracking.required`.
 
     `parent_run_id`: create the MLflow run as a child of that run (`orchestrator.cli.sweep`).
     """
-    from orchestrator.run import records as records
     from orchestrator.tracking.tracker import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
 
     quick_http_failures()
     uri = resolve_uri(cfg.tracking.uri, Path.cwd())
-    storage = cfg.checkpoint.storage_path
-    if resume:
-        record = records.find_resumable(storage, job_path)
-        run_name = record["run_name"]
-    else:
-        run_name = cfg.run.name or default_run_name(job_path)
-        if records.run_exists(storage, run_name):
-            raise BadInput(f"run.name: a run named '{run_name}' already exists in {storage}. Continue it with "
-                           "--resume, or choose another run.name.")
+    run_name, resume = run.name, run.resume
     try:
-        if resume and record.get("run_id"):
-            tracker = RunTracker.open(uri, record["run_id"])
+        if resume and run.mlflow_run_id:
+            tracker = RunTracker.open(uri, run.mlflow_run_id)
             tracker.reopen()
         else:
             tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id)
@@ -127,7 +117,8 @@ def execute(plan: RunPlan) -> int:
     from ray.train import TrainingFailedError
 
     from orchestrator.run import records as records
-    from orchestrator.run.launch import build_trainer, check_cluster_capacity
+    from orchestrator.run.launch import build_trainer
+    from orchestrator.run.preflight import check_cluster_capacity
     from orchestrator.tracking.writer import MlflowWriter
     from orchestrator.tracking.progress import ConsoleProgress
     from orchestrator.tracking.relay import RelayCallback, ReportRelay
@@ -142,7 +133,7 @@ def execute(plan: RunPlan) -> int:
     try:
         started_ray, worker_runtime_env = init_ray(plan.address, module_source)
     except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
-        _finish(plan.tracker, "FAILED", timeout_s=10)
+        close_run(plan.tracker, "FAILED", timeout_s=10)  # no record yet: nothing in storage to close
         print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
               "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
         return EXIT_FAILED
@@ -175,8 +166,7 @@ def execute(plan: RunPlan) -> int:
             # controller and calls sys.exit.
             interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
             writer.close(timeout_s=10)
-            _finish(writer.tracker, "KILLED" if interrupted else "FAILED", timeout_s=10)
-            records.write_record(storage, plan.run_name, status="KILLED")
+            close_run(writer.tracker, "KILLED" if interrupted else "FAILED", 10, storage, plan.run_name)
             raise
         writer.close(cfg.tracking.flush_timeout_s)
         tracker = writer.tracker
@@ -231,26 +221,14 @@ def summarize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _finish(tracker, status: str, timeout_s: float) -> None:
-    """Set the run's terminal status, retrying while MLflow is flaky; never leaves it RUNNING if MLflow answers."""
-    from orchestrator.tracking.writer import retry
-
-    if tracker is None:
-        return
-    try:
-        retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
-    except Exception as exc:
-        print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
-              f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)
+def _close(plan: RunPlan, tracker, status: str) -> None:
+    close_run(tracker, status, plan.cfg.tracking.flush_timeout_s, plan.cfg.checkpoint.storage_path, plan.run_name)
 
 
 def _failed(plan: RunPlan, tracker, failure) -> int:
-    from orchestrator.run import records as records
-
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
-    _finish(tracker, "FAILED", plan.cfg.tracking.flush_timeout_s)
-    records.write_record(plan.cfg.checkpoint.storage_path, plan.run_name, status="FAILED")
+    _close(plan, tracker, "FAILED")
     print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
@@ -260,12 +238,11 @@ def _failed(plan: RunPlan, tracker, failure) -> int:
 
 
 def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> int:
-    from orchestrator.run import records as records
     from orchestrator.tracking.tracker import view_hint
 
     cfg = plan.cfg
-    records.write_record(cfg.checkpoint.storage_path, plan.run_name, status="FINISHED")
     if tracker is None:
+        _close(plan, tracker, "FINISHED")
         print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
               f"Checkpoints: {result.path}", file=sys.stderr)
         return EXIT_OK
@@ -281,7 +258,7 @@ def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> 
     exit_code = EXIT_OK
     if cfg.export.dtype is not None and result.checkpoint is not None:
         exit_code = _export_after_training(cfg, result.checkpoint, tracker)
-    _finish(tracker, "FINISHED", cfg.tracking.flush_timeout_s)
+    _close(plan, tracker, "FINISHED")
 
     final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
     print(f"\nRun finished: {tracker.run_id}")

@@ -1,4 +1,5 @@
-"""Which run `submit --resume` continues: a small record beside Ray Train's own state in storage.
+"""Which run `submit --resume` continues: a small record beside Ray Train's own state in storage;
+and `close_run`, the one way a run ends (its record and its MLflow run get the same status).
 
 `<storage_path>/<run name>/ampflow_run.json` says which job file the run trains, its MLflow run
 and experiment, and whether it finished. Ray Train restores its checkpoint manager from the same
@@ -6,6 +7,7 @@ directory when a trainer with the same name and storage path is built again.
 """
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -66,3 +68,22 @@ def find_resumable(storage_path: str, job_path: Path) -> dict[str, Any]:
         raise BadInput(f"--resume: no interrupted run of {job_path} in {storage_path}{finished}. "
                        "Run it without --resume to start a new one.")
     return max(unfinished, key=lambda r: r["started"])
+
+
+def close_run(tracker, status: str, timeout_s: float, storage_path: Optional[str] = None,
+              run_name: Optional[str] = None) -> None:
+    """End a run as `status` (FINISHED, FAILED or KILLED): its record in `storage_path`, when it has one
+    (nothing is created for a run that never got as far as writing it), then its MLflow run (`tracker`,
+    None when MLflow never created it), retried for up to `timeout_s` while MLflow is flaky. An MLflow
+    that still does not answer is reported, not raised: the run's end must not hide why it ended."""
+    from orchestrator.tracking.writer import retry
+
+    if storage_path is not None and read_record(storage_path, run_name) is not None:
+        write_record(storage_path, run_name, status=status)
+    if tracker is None:
+        return
+    try:
+        retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
+    except Exception as exc:
+        print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
+              f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)

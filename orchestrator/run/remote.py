@@ -18,9 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from orchestrator.errors import BadInput
-
-EXIT_OK, EXIT_FAILED = 0, 1
+from orchestrator.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
 
 # Never uploaded with the working directory (gitignore patterns, relative to it): environments,
 # data, local MLflow stores, checkpoints and caches. Ray also honours .gitignore/.rayignore, but
@@ -126,7 +124,7 @@ def follow(client, job_id: str, address: str) -> int:
     except KeyboardInterrupt:
         print(f"\nStopped following {job_id}; it is still running. Stop it with: "
               f"python -m orchestrator.jobs stop {job_id} --address {address}", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if status == JobStatus.SUCCEEDED:
         print(f"Job {job_id} SUCCEEDED.", file=sys.stderr)
         return EXIT_OK

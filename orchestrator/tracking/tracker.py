@@ -1,9 +1,11 @@
-"""One MLflow run per job, handled by the driver only.
+"""One MLflow run per job, handled by the driver only; `RunTracker` is ampflow's only door to MLflow.
 
 The driver creates (or, with --resume, reopens) the run with params, tags and the resolved
 YAML, `orchestrator.tracking.writer` logs what the workers report, and the driver closes the run
-FINISHED, FAILED or KILLED. Workers never talk to MLflow, so a restarted worker group cannot
-create a second run. Everything logged is redacted (`orchestrator.tracking.secrets`).
+FINISHED, FAILED or KILLED (`orchestrator.run.records.close_run`). Workers never talk to MLflow, so
+a restarted worker group cannot create a second run. The writer, the sweep and export read and write
+through the small named methods here, never through an MLflow client of their own, so everything
+logged is redacted in one place (`orchestrator.tracking.secrets`).
 """
 
 import logging
@@ -67,7 +69,7 @@ class RunTracker:
         from mlflow import MlflowClient
 
         self.uri, self.experiment_id, self.run_id = uri, experiment_id, run_id
-        self.client = MlflowClient(tracking_uri=uri)
+        self._client = MlflowClient(tracking_uri=uri)
 
     @classmethod
     def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
@@ -92,7 +94,7 @@ class RunTracker:
             items = [Param(key, value) for key, value in redact_all(params).items()]
             for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
                 client.log_batch(tracker.run_id, params=items[i : i + 100])
-            client.log_text(tracker.run_id, redact(config_yaml), "config/job.yaml")
+            tracker.log_text(config_yaml, "config/job.yaml")
         except BaseException:
             tracker.finish("FAILED")
             raise
@@ -115,14 +117,14 @@ class RunTracker:
 
     def reopen(self) -> None:
         """Mark a run that a dead driver left RUNNING, FAILED or KILLED as running again (--resume)."""
-        self.client.update_run(self.run_id, status="RUNNING")
+        self._client.update_run(self.run_id, status="RUNNING")
 
     def load_json(self, artifact_path: str) -> Any:
         """A JSON artifact of the run, or None when it has none at that path."""
         import json
 
         folder = artifact_path.rpartition("/")[0] or None
-        if not any(a.path == artifact_path for a in self.client.list_artifacts(self.run_id, folder)):
+        if not any(a.path == artifact_path for a in self._client.list_artifacts(self.run_id, folder)):
             return None
         return json.loads(self.load_text(artifact_path))
 
@@ -140,20 +142,42 @@ class RunTracker:
         from orchestrator.errors import BadInput
 
         mlflow.set_tracking_uri(self.uri)
-        models = self.client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'")
+        models = self._client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'")
         fp32 = [m for m in models if m.name == "model"]
         if not fp32:
             raise BadInput(f"run {self.run_id} has no logged model 'model' (was tracking.log_model false?).")
         return mlflow.pytorch.load_model(fp32[0].model_uri, map_location="cpu")
 
-    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+    # -- writing ----------------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0, timestamp_ms: Optional[int] = None) -> None:
+        """One batch of metrics at `step`; `timestamp_ms` keeps when they were measured (a backfill after
+        an outage), default now."""
         from mlflow.entities import Metric
 
-        timestamp = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), timestamp, step) for k, v in metrics.items()])
+        timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), timestamp, step) for k, v in metrics.items()])
 
     def set_tag(self, key: str, value: str) -> None:
-        self.client.set_tag(self.run_id, key, redact(value))
+        self._client.set_tag(self.run_id, key, redact(value))
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Several tags in one batch; values as text, cut to MLflow's 5000 characters."""
+        from mlflow.entities import RunTag
+
+        self._client.log_batch(self.run_id, tags=[RunTag(key, str(value)[:5000])
+                                                 for key, value in redact_all(tags).items()])
+
+    def log_dict(self, value: Any, artifact_path: str) -> None:
+        """A JSON (or YAML, by the path's suffix) artifact, replacing any at that path."""
+        self._client.log_dict(self.run_id, redact_all(value), artifact_path)
+
+    def log_text(self, text: str, artifact_path: str) -> None:
+        self._client.log_text(self.run_id, redact(text), artifact_path)
+
+    def log_figure(self, figure, artifact_path: str) -> None:
+        """A matplotlib figure as an image artifact (the caller closes the figure)."""
+        self._client.log_figure(self.run_id, figure, artifact_path)
 
     def log_model(self, model, input_example, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
         """Log the fp32 model as the run's MLflow model `model`; returns the format used.
@@ -180,10 +204,25 @@ class RunTracker:
                                      input_example=input_example, serialization_format="pickle")
             return "pickle"
 
+    # -- reading ----------------------------------------------------------------------------------
+
+    def metric_history(self, key: str) -> list:
+        """Every value logged for `key` (MLflow `Metric`s, in no promised order; [] when never logged)."""
+        return list(self._client.get_metric_history(self.run_id, key))
+
+    def last_steps(self) -> dict[str, int]:
+        """Each metric's highest logged step: where a resumed run's metrics go on from."""
+        return {key: max(m.step for m in self.metric_history(key))
+                for key in self._client.get_run(self.run_id).data.metrics}
+
+    def run_info(self):
+        """The run's MLflow `RunInfo`: status, start_time and end_time (ms), names."""
+        return self._client.get_run(self.run_id).info
+
     def latest_metrics(self) -> dict[str, float]:
         """Each metric's newest value as the run holds it ({} when the store cannot be read)."""
         try:
-            return dict(self.client.get_run(self.run_id).data.metrics)
+            return dict(self._client.get_run(self.run_id).data.metrics)
         except Exception:
             return {}
 
@@ -192,13 +231,13 @@ class RunTracker:
         from orchestrator.tracking.plots import log_run_plots
 
         try:
-            log_run_plots(self.client, self.run_id, policy)
+            log_run_plots(self._client, self.run_id, policy)
         except Exception as exc:
             logger.warning("ampflow: could not log the plots (%s).", exc)
 
     def finish(self, status: str) -> None:
         """FINISHED, FAILED or KILLED; a run is never left RUNNING."""
-        self.client.set_terminated(self.run_id, status=status)
+        self._client.set_terminated(self.run_id, status=status)
 
     def status(self) -> str:
-        return self.client.get_run(self.run_id).info.status
+        return self.run_info().status

@@ -5,7 +5,7 @@ A thread drains the report relay every half second and applies what it got to th
 of the report before it, are dropped), tags, JSON artifacts, and the merged overflow log. When
 MLflow is down the records wait in memory (training never waits) and are backfilled, with their
 original timestamps, once it answers again. With `tracking.required: false` the run itself may
-be created late the same way. Everything logged passes through `secrets.redact_all`.
+be created late the same way. Everything goes through the run's `RunTracker`, which redacts it.
 """
 
 import logging
@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestrator.tracking.relay import OVERFLOW_LOG
-from orchestrator.tracking.secrets import redact_all
 
 logger = logging.getLogger("ampflow.tracking")
 
@@ -56,9 +55,7 @@ class MlflowWriter:
 
     def resume_from_run(self) -> None:
         """Continue a run: its metrics' last steps and its overflow log, so nothing is logged twice."""
-        client, run_id = self.tracker.client, self.tracker.run_id
-        for key in client.get_run(run_id).data.metrics:
-            self.last_step[key] = max(m.step for m in client.get_metric_history(run_id, key))
+        self.last_step = self.tracker.last_steps()
         self.overflow_log = self.tracker.load_json(f"{OVERFLOW_LOG}.json") or []
 
     def start(self) -> "MlflowWriter":
@@ -135,23 +132,18 @@ class MlflowWriter:
         return not self.pending
 
     def _apply(self, kind: str, payload: Any) -> None:
-        from mlflow.entities import Metric
-
-        client, run_id = self.tracker.client, self.tracker.run_id
         if kind == "metrics":
             step, timestamp, metrics = payload
-            batch = [Metric(key, value, timestamp, step) for key, value in metrics.items()
-                     if step > self.last_step.get(key, -1)]
-            if batch:
-                client.log_batch(run_id, metrics=batch)
-            self.last_step.update({metric.key: step for metric in batch})
+            fresh = {key: value for key, value in metrics.items() if step > self.last_step.get(key, -1)}
+            if fresh:
+                self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
+            self.last_step.update(dict.fromkeys(fresh, step))
         elif kind == "tags":
-            for key, value in redact_all(payload).items():
-                client.set_tag(run_id, key, str(value)[:5000])
+            self.tracker.set_tags(payload)
         elif kind == "json":
             path, value = payload
-            client.log_dict(run_id, redact_all(value), path)
+            self.tracker.log_dict(value, path)
         elif kind == "overflow":
             merged = sorted(self.overflow_log + payload, key=lambda r: (r["step"], r.get("rank", -1)))
-            client.log_dict(run_id, merged, f"{OVERFLOW_LOG}.json")
+            self.tracker.log_dict(merged, f"{OVERFLOW_LOG}.json")
             self.overflow_log = merged

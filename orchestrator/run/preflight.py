@@ -1,0 +1,144 @@
+"""The one pre-flight of `submit`, `sweep` and remote submission: everything that can refuse a job (exit 2)
+before Ray starts, an MLflow run exists or anything reaches a cluster.
+
+In order: the data can be had, the model builds (on the CPU here), the precision lint, the `faults`
+section fits the model, this machine can hold the workers, and which run it is (a new name that is not
+taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
+A sweep passes one config per preset: the lint and the run name are checked for each, the rest once on
+the first (only the precision section differs between them). A job for a remote job server skips what
+the cluster checks itself: its data, its capacity and its storage.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+from orchestrator.errors import BadInput
+
+
+@dataclass
+class RunChoice:
+    """Which run a config trains: the name its checkpoints and record live under in storage."""
+
+    name: str
+    resume: bool = False
+    """Continue the interrupted run of this name (`--resume`) rather than start one."""
+    mlflow_run_id: Optional[str] = None
+    """The resumed run's MLflow run, when it had one (MLflow may have been down all through it)."""
+
+
+@dataclass
+class Preflight:
+    """What the pre-flight established, for the stages after it."""
+
+    model: object
+    """The job's model (the first config's), built on the CPU."""
+    runs: list[RunChoice]
+    """One per config, in order; empty for a job server, where the cluster's storage decides."""
+
+
+def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[str], *,
+              resume: bool = False) -> Preflight:
+    """Check the job as it would run at `address` (None: a local Ray here); BadInput (exit 2) when it cannot.
+
+    `configs`: the job's resolved config, or a sweep's, one per preset (the first is the base).
+    """
+    from orchestrator.run.remote import is_job_server_address
+    from orchestrator.train import data, faults, models
+
+    base = configs[0]
+    to_job_server = is_job_server_address(address)
+    if not to_job_server:  # a remote job reads its data on the cluster, which checks it there
+        data.ensure_available(base.data)
+    model = models.build_model(base.model)  # a broken model fails here, before Ray starts
+    for cfg in configs:
+        check_lint(cfg, model)
+    faults.check(base.faults, model)
+    if not address:
+        check_local_capacity(base)
+    runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
+    return Preflight(model, runs)
+
+
+def check_lint(cfg: DictConfig, model) -> None:
+    """The precision lint: findings stop the job (`error`), are printed (`warn`) or skipped (`off`)."""
+    from orchestrator.precision.lint import lint
+
+    findings = lint(cfg, model) if cfg.precision.lint != "off" else []
+    if not findings:
+        return
+    policy = f"preset {cfg.precision.preset}" if cfg.precision.preset else "this job's precision policy"
+    listed = "\n".join(f"  - {finding}" for finding in findings)
+    if cfg.precision.lint == "error":
+        raise BadInput(f"{policy}: precision lint found {len(findings)} problem(s):\n{listed}\n"
+                       "Fix the policy or choose another preset (in a sweep: drop it from --presets), or set "
+                       "precision.lint=warn to train anyway.")
+    print(f"warning: {policy}: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
+
+
+def default_run_name(job_path: Path) -> str:
+    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def choose_run(cfg: DictConfig, job_path: Path, resume: bool) -> RunChoice:
+    """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run."""
+    from orchestrator.run import records
+
+    storage = cfg.checkpoint.storage_path
+    if resume:
+        record = records.find_resumable(storage, job_path)
+        return RunChoice(record["run_name"], resume=True, mlflow_run_id=record.get("run_id"))
+    name = cfg.run.name or default_run_name(job_path)
+    if records.run_exists(storage, name):
+        raise BadInput(f"run.name: a run named '{name}' already exists in {storage}. Choose another run.name, "
+                       "or continue it with `python -m orchestrator.submit JOB --resume`.")
+    return RunChoice(name)
+
+
+# -- capacity -------------------------------------------------------------------------------------
+
+
+def worker_resources(cfg: DictConfig) -> dict[str, float]:
+    """What one worker asks Ray for: resources_per_worker, else Ray Train's default (1 CPU, +1 GPU with use_gpu)."""
+    asked = {key: float(value) for key, value in cfg.scaling.resources_per_worker.items()}
+    asked.setdefault("CPU", 1.0)
+    if cfg.scaling.use_gpu:
+        asked.setdefault("GPU", 1.0)
+    return {key: value for key, value in asked.items() if value > 0}
+
+
+def check_local_capacity(cfg: DictConfig) -> None:
+    """A local Ray gets this machine's CPUs and GPUs and nothing else: a job that can never fit fails
+    here, before Ray starts, instead of waiting forever for resources."""
+    import torch
+
+    have = {"CPU": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+            "GPU": float(torch.cuda.device_count())}
+    workers = cfg.scaling.num_workers
+    for resource, per_worker in sorted(worker_resources(cfg).items(), key=lambda item: item[0] != "GPU"):
+        need = per_worker * workers
+        if need > have.get(resource, 0.0):
+            raise BadInput(
+                f"scaling: the job asks for {need:g} {resource} ({workers} workers x {per_worker:g}), but this machine "
+                f"has {have.get(resource, 0.0):g} and no cluster was given (--address / RAY_ADDRESS). Lower "
+                "scaling.num_workers or scaling.resources_per_worker"
+                + (", set scaling.use_gpu: false" if resource == "GPU" else "") + ", or submit to a cluster.")
+
+
+def check_cluster_capacity(cfg: DictConfig) -> Optional[str]:
+    """On an existing cluster (Ray connected): a warning when it has too little right now (an autoscaler
+    may still add nodes), else None."""
+    import ray
+
+    total = ray.cluster_resources()
+    for resource, per_worker in worker_resources(cfg).items():
+        need = per_worker * cfg.scaling.num_workers
+        if need > total.get(resource, 0.0):
+            return (f"the cluster has {total.get(resource, 0.0):g} {resource} now and the job needs {need:g}; "
+                    "training starts when an autoscaler adds nodes (Ctrl-C to stop).")
+    return None

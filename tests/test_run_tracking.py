@@ -1,0 +1,64 @@
+"""The MLflow run through its one door (`RunTracker`) and its one end (`records.close_run`), on a real
+SQLite MLflow store and without Ray: the writer's records land once per step and resume where they
+stopped; closing a run sets the run record and MLflow to the same status, or says why it could not.
+"""
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import small_job
+from orchestrator.config import load_job
+from orchestrator.run import records
+from orchestrator.tracking.tracker import RunTracker
+from orchestrator.tracking.writer import MlflowWriter
+
+
+@pytest.fixture
+def tracker(write_job, mlflow_uri):
+    cfg = load_job(write_job(small_job(tracking={"uri": mlflow_uri, "experiment": "door"})))
+    return RunTracker.start(mlflow_uri, cfg, run_name="door", tags={}, params={}, config_yaml="a: 1\n")
+
+
+def test_the_writer_logs_each_metric_once_per_step_and_a_resumed_writer_goes_on_after_the_last(tracker,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("AMPFLOW_TEST_SECRET", "hunter2-hunter2")
+    writer = MlflowWriter(relay=None, tracker=tracker)
+    writer.enqueue({"step": 2, "train/loss": 0.5, "tags": {"note": "key hunter2-hunter2"}, "audit": [{"a": 1}]}, [])
+    writer.enqueue({"step": 2, "train/loss": 0.4, "eval/accuracy": 0.7}, [{"step": 2, "rank": 1}])
+    writer.enqueue({"step": 4, "train/loss": 0.3}, [{"step": 3, "rank": 0}])
+    assert writer._flush(force=True)
+
+    client = MlflowClient(tracking_uri=tracker.uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "train/loss")] == [(2, 0.5), (4, 0.3)]
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "eval/accuracy")] == [(2, 0.7)]
+    assert client.get_run(tracker.run_id).data.tags["note"] == "key ***"  # redacted at the door
+    assert tracker.load_json("audit.json") == [{"a": 1}]
+    assert [r["step"] for r in tracker.load_json("amp/overflow_log.json")] == [2, 3]
+
+    resumed = MlflowWriter(relay=None, tracker=RunTracker.open(tracker.uri, tracker.run_id))
+    resumed.resume_from_run()
+    assert resumed.last_step == {"train/loss": 4, "eval/accuracy": 2}
+    resumed.enqueue({"step": 4, "train/loss": 9.0}, [{"step": 5, "rank": 0}])  # a repeat after a restart
+    resumed.enqueue({"step": 6, "train/loss": 0.2}, [])
+    assert resumed._flush(force=True)
+    assert [m.step for m in tracker.metric_history("train/loss")] == [2, 4, 6]
+    assert [r["step"] for r in tracker.load_json("amp/overflow_log.json")] == [2, 3, 5]
+
+
+def test_closing_a_run_sets_its_record_and_its_mlflow_run_to_the_same_status(tracker, tmp_path):
+    storage = str(tmp_path / "runs")
+    records.write_record(storage, "door", run_id=tracker.run_id, status="RUNNING")
+    records.close_run(tracker, "KILLED", 5, storage, "door")
+    assert records.read_record(storage, "door")["status"] == "KILLED"
+    assert tracker.status() == "KILLED"
+
+    records.close_run(None, "FAILED", 5, storage, "never-started")  # no record, no MLflow run: nothing made
+    assert not records.run_exists(storage, "never-started")
+
+
+def test_an_mlflow_that_does_not_answer_at_the_end_is_reported_not_raised(monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    gone = RunTracker("http://127.0.0.1:9", "0", "c" * 32)
+    records.close_run(gone, "FAILED", timeout_s=0)
+    err = capsys.readouterr().err
+    assert f"could not mark MLflow run {'c' * 32} FAILED" in err and "rerun --resume" in err
