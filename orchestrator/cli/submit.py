@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from orchestrator.run import remote
 from orchestrator.config import load_job, to_yaml
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
-from orchestrator.tracking.secrets import redact
+from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -43,6 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from orchestrator.run.driver import execute, plan_run
     from orchestrator.run.preflight import preflight
 
+    install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
     args = parse_args(argv)
     job_path = Path(args.job)
     to_cluster = remote.is_job_server_address(args.address)

@@ -28,7 +28,7 @@ from orchestrator.run import remote
 from orchestrator.run.preflight import RunChoice
 from orchestrator.config import flatten, load_job
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
-from orchestrator.tracking.secrets import redact
+from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
 @dataclass
@@ -256,6 +256,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
     args = parse_args(argv)
     try:
         plan = validate(args)

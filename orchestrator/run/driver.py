@@ -24,7 +24,7 @@ from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.run.preflight import RunChoice
 from orchestrator.run.records import close_run
-from orchestrator.tracking.secrets import redact
+from orchestrator.tracking.secrets import install_console_redaction, redact
 
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
@@ -113,6 +113,7 @@ def init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[boo
 
 def execute(plan: RunPlan) -> int:
     """Train the planned run; the MLflow run always ends FINISHED, FAILED or KILLED."""
+    install_console_redaction()  # idempotent: callers from Python get it too
     import ray
     from ray.train import TrainingFailedError
 
@@ -276,7 +277,7 @@ def _trained_model(cfg: DictConfig, checkpoint):
 
     model = models.build_model(cfg.model)
     model.load_state_dict(load_model_weights(checkpoint))
-    return model
+    return model.eval()  # what is logged and exported predicts: batch statistics never leak into a prediction
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:

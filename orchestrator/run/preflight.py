@@ -66,19 +66,21 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
 
 
 def check_lint(cfg: DictConfig, model) -> None:
-    """The precision lint: findings stop the job (`error`), are printed (`warn`) or skipped (`off`)."""
+    """The precision lint: with `precision.lint: error` its errors stop the job and its warnings are printed;
+    with `warn` everything is printed; `off` skips it."""
     from orchestrator.precision.lint import lint
 
     findings = lint(cfg, model) if cfg.precision.lint != "off" else []
-    if not findings:
-        return
     policy = f"preset {cfg.precision.preset}" if cfg.precision.preset else "this job's precision policy"
-    listed = "\n".join(f"  - {finding}" for finding in findings)
-    if cfg.precision.lint == "error":
-        raise BadInput(f"{policy}: precision lint found {len(findings)} problem(s):\n{listed}\n"
+    errors = [f for f in findings if f.severity == "error"] if cfg.precision.lint == "error" else []
+    if errors:
+        listed = "\n".join(f"  - {finding}" for finding in errors)
+        raise BadInput(f"{policy}: precision lint found {len(errors)} problem(s):\n{listed}\n"
                        "Fix the policy or choose another preset (in a sweep: drop it from --presets), or set "
                        "precision.lint=warn to train anyway.")
-    print(f"warning: {policy}: precision lint (precision.lint: warn):\n{listed}", file=sys.stderr)
+    if findings:
+        listed = "\n".join(f"  - {finding}" for finding in findings)
+        print(f"warning: {policy}: precision lint (precision.lint: {cfg.precision.lint}):\n{listed}", file=sys.stderr)
 
 
 def default_run_name(job_path: Path) -> str:
