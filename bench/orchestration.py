@@ -439,6 +439,8 @@ def main(argv=None) -> int:
     args.log_every = args.log_every or (5 if args.smoke else 50)
     args.warmup_windows = args.warmup_windows if args.warmup_windows is not None else (1 if args.smoke else 4)
     args.repeats = args.repeats or (1 if args.smoke else 3)
+    if args.profile:  # Ray's workers run in directories of their own
+        args.profile = str(Path(args.profile).resolve())
     difference = None
     if args.by_difference:
         try:
