@@ -82,6 +82,10 @@ def test_gpu_amp_harness(tmp_path):
 @pytest.mark.slow
 def test_orchestration_harness(tmp_path):
     done, record = run_harness("orchestration", tmp_path, timeout=600)
-    check_record(done, record, "orchestration", {"orchestration_throughput", "loop_throughput", "runtime_throughput"})
+    check_record(done, record, "orchestration", {"orchestration_throughput", "loop_throughput", "runtime_throughput",
+                                                 "raytrain_throughput", "raytrain_startup"})
     launch = record["figures"]["launch_to_first_step_s"]
-    assert all(math.isfinite(launch[name]) for name in ("plain", "loop", "ours"))
+    assert all(math.isfinite(launch[name]) for name in ("plain", "loop", "raytrain", "ours"))
+    # The plain Ray Train script ran once, as a user's script: its own windows, its own start-up.
+    assert len(record["figures"]["raytrain_windows"]) == 1
+    assert math.isfinite(record["figures"]["process_start_to_first_step_s"]["raytrain"])
