@@ -86,12 +86,24 @@ def test_killed_worker_resumes_at_its_checkpoint_bit_identical_and_logs_each_ste
 
 
 def _kill_tree_of(process: subprocess.Popen, ray_temp_dir: str) -> None:
-    """SIGKILL the driver's process group, then any Ray process of its own temp dir (and nothing else)."""
+    """SIGKILL the driver's process group, then every Ray process of its own temp dir (and nothing else).
+
+    Ray's worker processes rename themselves (`ray::RayTrainWorker...`), so their command line does not
+    name the temp dir; their environment does (RAY_TMPDIR). Left alive, they would go on writing
+    checkpoints after the "crash"."""
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
+    ours = []
     for proc in psutil.process_iter(["cmdline"]):
-        if any(ray_temp_dir in part for part in (proc.info["cmdline"] or [])):
-            proc.kill()
+        try:
+            if any(ray_temp_dir in part for part in (proc.info["cmdline"] or [])) \
+                    or proc.environ().get("RAY_TMPDIR") == ray_temp_dir:
+                ours.append(proc)
+        except psutil.Error:  # gone already, or not ours to read
+            continue
+    for proc in ours:
+        proc.kill()
+    psutil.wait_procs(ours, timeout=30)
 
 
 def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_checkpoint(
@@ -126,7 +138,7 @@ def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_c
     assert main([str(job), "--resume"]) == 0
     err = capsys.readouterr().err
     assert f"Resuming {run.info.run_id}" in err
-    assert newest.name in err and "falling back" in err
+    assert newest.name in err and "falling back" in err, err
 
     client, resumed = only_run(mlflow_uri, "driver")  # the same run, not a second one
     assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"

@@ -225,6 +225,9 @@ def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_
     """
     autocast = policy.autocast and device_type is not None
     neighbours = policy.compute_dtype if policy.autocast else policy.param_dtype
+    # Everything fp32 and no autocast (O0): every input is already what each layer computes in, and a hook per
+    # layer would only cost time on every step.
+    all_fp32 = not autocast and all(layer.param_dtype == torch.float32 for layer in plans.values())
     for name, module in model.named_modules():
         layer = plans[name]
         if layer.keeps_neighbour_dtype and not mixed_norm_kernel(module, neighbours, device_type or "cpu"):
@@ -236,7 +239,7 @@ def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_
                 module._buffers[key] = buffer.to(layer.param_dtype)
         # Cast inputs to what the layer stores, except where autocast already decides (fp32 layers under O1),
         # and where the layer's fp32 kernel takes its neighbours' dtype as it is.
-        if layer.keeps_neighbour_dtype:
+        if layer.keeps_neighbour_dtype or all_fp32:
             pass
         elif layer.region or (layer.has_params and not (autocast and layer.param_dtype == torch.float32)):
             module.register_forward_pre_hook(partial(_cast_inputs_hook, dtype=layer.param_dtype), with_kwargs=True)

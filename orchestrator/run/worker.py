@@ -35,25 +35,26 @@ class RaySession:
                              checkpoint_dir_name=checkpoint_name)
 
     def checkpoints(self) -> list[Candidate]:
-        return ray_candidates(ray.train.get_checkpoint())
+        return ray_candidates(self.storage.storage_filesystem, self.storage.experiment_fs_path)
 
     def fault_marker_dir(self) -> tuple[Any, str]:
         return self.storage.storage_filesystem, self.storage.experiment_fs_path
 
 
-def ray_candidates(checkpoint: Optional[ray.train.Checkpoint]) -> list[Candidate]:
-    """Every checkpoint in the run's storage beside `checkpoint` (Ray Train's newest registered one), newest
-    first. A driver that died may have left a newer complete checkpoint that Ray never registered: its
-    manifests vouch for it as for any other, and resuming there loses fewer steps."""
-    if checkpoint is None:
-        return []
+def ray_candidates(filesystem, run_dir: str) -> list[Candidate]:
+    """Every checkpoint in the run's storage directory, newest first ([] for a new run).
+
+    Not only the one Ray Train restores (`ray.train.get_checkpoint()`): a driver killed between the
+    workers' upload of a checkpoint and Ray's registration of it leaves Ray pointing at an older one,
+    or at none. Each rank's manifest vouches for a directory as for any other, and resuming from the
+    newest complete one loses the fewest steps.
+    """
     from pyarrow import fs
 
-    parent = checkpoint.path.rstrip("/").rsplit("/", 1)[0]
-    infos = checkpoint.filesystem.get_file_info(fs.FileSelector(parent))
+    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
     names = sorted((i.base_name for i in infos if i.type == fs.FileType.Directory
                     and i.base_name.startswith("checkpoint_")), reverse=True)
-    checkpoints = [ray.train.Checkpoint(path=f"{parent}/{n}", filesystem=checkpoint.filesystem) for n in names]
+    checkpoints = [ray.train.Checkpoint(path=f"{run_dir}/{name}", filesystem=filesystem) for name in names]
     return [(c.path, c.as_directory) for c in checkpoints]
 
 
