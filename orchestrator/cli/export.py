@@ -43,6 +43,11 @@ class ExportResult:
     def accuracy_delta(self) -> float:
         return self.accuracy - self.fp32_accuracy
 
+    def describe(self) -> str:
+        """One line for the console: the accuracies and the MLflow model's name."""
+        return (f"{self.dtype}: accuracy {self.accuracy:.4f} (fp32 {self.fp32_accuracy:.4f}, delta "
+                f"{self.accuracy_delta:+.4f}), MLflow model 'model_{self.dtype}'")
+
     def metrics(self) -> dict[str, float]:
         return {"export/accuracy_delta": self.accuracy_delta, "export/accuracy": self.accuracy,
                 "export/fp32_accuracy": self.fp32_accuracy}
@@ -126,8 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ExportRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"exported {args.run_id} as {result.dtype}: accuracy {result.accuracy:.4f} "
-          f"(fp32 {result.fp32_accuracy:.4f}, delta {result.accuracy_delta:+.4f}); MLflow model 'model_{result.dtype}'")
+    print(f"exported {args.run_id} as {result.describe()}")
     return EXIT_OK
 
 

@@ -288,6 +288,5 @@ def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
     except ExportRefused as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"Exported as {result.dtype}: accuracy {result.accuracy:.4f} (fp32 {result.fp32_accuracy:.4f}, "
-          f"delta {result.accuracy_delta:+.4f}), MLflow model 'model_{result.dtype}'")
+    print(f"Exported as {result.describe()}")
     return EXIT_OK
