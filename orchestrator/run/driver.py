@@ -158,7 +158,7 @@ def execute(plan: RunPlan) -> int:
                                 worker_runtime_env=worker_runtime_env, run_id=run_id, launched_at=launched_at)
         failure = None
         try:
-            with ConsoleProgress(relay):
+            with ConsoleProgress(lambda: writer.newest):
                 result = trainer.fit()
         except TrainingFailedError as exc:
             failure = exc

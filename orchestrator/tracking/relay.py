@@ -1,4 +1,4 @@
-"""From the Ray Train controller to the driver: every report, in order, and the newest for the console.
+"""From the Ray Train controller to the driver: every report, in order.
 
 `RelayCallback` runs on the controller and only forwards (a non-blocking actor call), so a slow
 or unreachable MLflow can never hold up training; the driver drains the relay and does all MLflow
@@ -19,18 +19,13 @@ OVERFLOW_LOG = "amp/overflow_log"
 class ReportRelay:
     def __init__(self) -> None:
         self.queue: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
-        self.newest: dict[str, Any] = {}
 
     def push(self, report: dict[str, Any], overflow_records: list[dict[str, Any]]) -> None:
         self.queue.append((report, overflow_records))
-        self.newest = {**self.newest, **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
 
     def take(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         queue, self.queue = self.queue, []
         return queue
-
-    def latest(self) -> dict[str, Any]:
-        return self.newest
 
 
 class RelayCallback(UserCallback):

@@ -1,6 +1,6 @@
 """The driver's one writer to MLflow: every report logged once, in order, retried until MLflow takes it.
 
-A thread drains the report relay every half second and applies what it got to the run: metrics
+A thread drains the report relay every second and applies what it got to the run: metrics
 (each metric at most once per step: repeats after a restart, or an epoch-end report at the step
 of the report before it, are dropped), tags, JSON artifacts, and the merged overflow log. When
 MLflow is down the records wait in memory (training never waits) and are backfilled, with their
@@ -40,12 +40,14 @@ def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 
 class MlflowWriter:
-    def __init__(self, relay, tracker=None, start_run: Optional[Callable[[], Any]] = None, poll_s: float = 0.5):
+    def __init__(self, relay, tracker=None, start_run: Optional[Callable[[], Any]] = None, poll_s: float = 1.0):
         """`tracker`: the run's RunTracker, or None with `start_run` creating it once MLflow answers."""
         self.relay, self.tracker, self._start_run, self.poll_s = relay, tracker, start_run, poll_s
         self.pending: deque[tuple[str, Any]] = deque()
         self.last_step: dict[str, int] = {}
         self.overflow_log: list[dict[str, Any]] = []
+        self.newest: dict[str, Any] = {}
+        """The newest value of every plain (number or text) key reported so far: the console line reads it."""
         self.outage_since: Optional[float] = None
         self._retry_at, self._backoff = 0.0, 1.0
         self._stop = threading.Event()
@@ -91,6 +93,7 @@ class MlflowWriter:
 
     def enqueue(self, report: dict[str, Any], overflow: list[dict[str, Any]]) -> None:
         timestamp = int(time.time() * 1000)
+        self.newest = {**self.newest, **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
         metrics = {key: float(value) for key, value in report.items()
                    if key not in CONTROL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
         self.pending.append(("metrics", (int(report["step"]), timestamp, metrics)))
