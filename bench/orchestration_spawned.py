@@ -136,6 +136,9 @@ class TimingSession:
     def fault_marker_dir(self):
         return None
 
+    def logged_through(self):
+        return None
+
 
 def run_loop(cfg, rank: int, args, launched_at: float, tmp: str) -> "TimingSession":
     """Our training loop (`orchestrator.train.loop.TrainingLoop`), as every Ray Train worker runs it, in the

@@ -1,7 +1,11 @@
 """Errors the CLI turns into exit codes, and the exit codes themselves (one definition for every command).
 
-Bad input exits 2 before Ray starts; a run that trained and failed exits 1; Ctrl-C exits 130.
+Bad input exits 2 before Ray starts; a run that trained and failed exits 1; Ctrl-C exits 130 and
+SIGTERM 143 (128 + the signal's number, as shells report a process a signal ended).
 """
+
+import signal
+import threading
 
 EXIT_OK = 0
 """Done: the run finished, the job SUCCEEDED, the command did what was asked."""
@@ -15,6 +19,9 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 """Ctrl-C (SIGINT), numbered as shells number it (128 + 2)."""
 
+EXIT_TERMINATED = 143
+"""SIGTERM (`jobs stop`, Kubernetes, `kill`), 128 + 15."""
+
 
 class BadInput(Exception):
     """A job file, override or name that cannot run: exit 2, nothing started.
@@ -25,3 +32,48 @@ class BadInput(Exception):
 
 class DataUnavailable(BadInput):
     """A dataset that cannot be found or downloaded; the message says where to put it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Stopped by a signal: Ctrl-C (SIGINT) or SIGTERM. A KeyboardInterrupt, so every `except KeyboardInterrupt`
+    that closes a run KILLED sees it; the CLI turns it into one line and `exit_code`."""
+
+    def __init__(self, signum: int = signal.SIGINT, resume_hint: str = ""):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = int(signum)
+        self.resume_hint = resume_hint
+        """What to run to continue (set once a run exists), or empty."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_TERMINATED if self.signum == signal.SIGTERM else EXIT_INTERRUPTED
+
+    def describe(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"interrupted ({name}). {self.resume_hint}" if self.resume_hint else \
+            f"interrupted ({name}) before training started; nothing to resume."
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Interrupted":
+        """`exc` as an Interrupted: ours as it is; a bare KeyboardInterrupt, or the SystemExit Ray Train's SIGINT
+        handler raises inside `fit()`, as the signal `interrupt_on_sigterm` last caught (Ray's blocking calls may
+        raise a plain KeyboardInterrupt in its place), else SIGINT."""
+        return exc if isinstance(exc, Interrupted) else cls(_caught.get("signum", signal.SIGINT))
+
+
+_caught: dict[str, int] = {}
+"""The signal `interrupt_on_sigterm`'s handler last caught."""
+
+
+def interrupt_on_sigterm():
+    """`jobs stop`, Kubernetes and `kill` end a job with SIGTERM: raise `Interrupted(SIGTERM)` instead, so the
+    MLflow run is closed KILLED rather than left RUNNING. Returns the previous handler (None off the main
+    thread, where no handler can be installed: a notebook's or a service's own threads)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        _caught["signum"] = signum
+        raise Interrupted(signum)
+
+    return signal.signal(signal.SIGTERM, interrupt)

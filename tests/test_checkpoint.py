@@ -160,3 +160,44 @@ def test_the_newest_checkpoint_in_storage_is_resumed_from_whatever_ray_registere
     state, warnings = load_newest_valid(newest(tmp_path), rank=0)
     assert state.global_step == 8 and warnings == []
     assert newest(tmp_path / "no-such-run") == []  # a new run: nothing to resume
+
+
+def test_staging_left_by_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+
+    from orchestrator.train.checkpoint import STAGING_PREFIX, remove_stale_staging
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid now names no process
+    dead = tmp_path / f"{STAGING_PREFIX}{gone.pid}-x1y2"
+    live = tmp_path / f"{STAGING_PREFIX}{os.getpid()}-a3b4"
+    unrelated = tmp_path / f"{STAGING_PREFIX}notapid"
+    for directory in (dead, live, unrelated):
+        directory.mkdir()
+        (directory / "train_state.pt").write_bytes(b"half a checkpoint")
+    assert remove_stale_staging(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and unrelated.exists()
+
+
+def test_staging_directories_are_named_after_their_process(tmp_path):
+    with staged_checkpoint(0, shared_state(2), {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}},
+                           step=2) as directory:
+        assert directory.name.startswith(f"ampflow-ckpt-{os.getpid()}-")
+
+
+def test_reports_kept_for_replay_load_with_the_checkpoint(tmp_path):
+    """A rank's unlogged reports travel in its own file and load back with weights_only (plain values only)."""
+    import numpy as np
+
+    from orchestrator.train.loop import kept_for_replay
+
+    kept = kept_for_replay({"seq": 3, "step": 6, "train/loss": np.float32(0.5), "warnings": ["x"],
+                            "amp/overflow_log": [{"step": 5, "rank": 0, "event": "overflow"}]}, rank=0)
+    assert kept == {"seq": 3, "step": 6, "train/loss": 0.5,
+                    "amp/overflow_log": [{"step": 5, "rank": 0, "event": "overflow"}]}
+    assert kept_for_replay({"seq": 3, "step": 6, "train/loss": 0.5, "amp/overflow_log": []}, rank=1) is None
+    directory = tmp_path / "checkpoint_000000006"
+    directory.mkdir()
+    write_checkpoint_files(directory, 0, shared_state(6),
+                           {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}, "unlogged": [kept]})
+    assert read_checkpoint(directory, rank=0).rank.unlogged == [kept]

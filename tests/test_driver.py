@@ -1,5 +1,6 @@
 """The driver closes the MLflow run it created whatever fails after it (here: Ray cannot be reached)."""
 
+import pytest
 from mlflow import MlflowClient
 
 from orchestrator.run import driver
@@ -24,3 +25,131 @@ def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(write_job, tm
     assert run.info.status == "FAILED"
     err = capsys.readouterr().err
     assert "10.255.255.1:6379" in err and "--address" in err
+
+
+# -- every driver-side failure after the run exists closes it FAILED ------------------------------------------
+
+class _FakeRelay:
+    """The report relay without Ray: nothing reported (the stages under test fail around training)."""
+
+    class _Call:
+        def __init__(self, value):
+            self.value = value
+
+        def remote(self, *args):
+            return self.value
+
+    def __init__(self):
+        self.take, self.push = self._Call([]), self._Call(None)
+
+
+class _FakeResult:
+    checkpoint, metrics, path = None, {}, "fake-storage"
+
+
+class _FakeTrainer:
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    def fit(self):
+        if self.fail:
+            raise RuntimeError("injected: fit")
+        return _FakeResult()
+
+
+def _raise(what):
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"injected: {what}")
+
+    return fail
+
+
+STAGES = ["write_record", "relay", "writer_start", "build_trainer", "fit", "writer_close", "log_plots"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, tmp_path, monkeypatch):
+    """Stage by stage after plan_run created the MLflow run: the error propagates (the CLI turns it into exit 1)
+    and the run, with its record in storage once written, ends FAILED, never RUNNING."""
+    import orchestrator.run.launch as launch
+    import orchestrator.tracking.relay as relay
+    import orchestrator.tracking.writer as writer
+    from orchestrator.run import records
+    from orchestrator.tracking.tracker import RunTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage = tmp_path / "ray_results"
+    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
+                              checkpoint={"storage_path": str(storage)}))
+    plan = driver.plan_run(load_job(job), job, None, RunChoice("stages"))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_source: (False, None))
+    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
+    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_raise("relay") if stage == "relay" else _FakeRelay))
+    monkeypatch.setattr(launch, "build_trainer",
+                        _raise("build_trainer") if stage == "build_trainer" else lambda *a, **k: _FakeTrainer(stage == "fit"))
+    if stage == "write_record":
+        monkeypatch.setattr(records, "write_record", _raise("write_record"))
+    if stage == "writer_start":
+        monkeypatch.setattr(writer.MlflowWriter, "start", _raise("writer_start"))
+    if stage == "writer_close":  # it stops its thread, then fails
+        real_close = writer.MlflowWriter.close
+
+        def failing_close(self, timeout_s):
+            real_close(self, timeout_s)
+            raise RuntimeError("injected: writer_close")
+
+        monkeypatch.setattr(writer.MlflowWriter, "close", failing_close)
+    if stage == "log_plots":
+        monkeypatch.setattr(RunTracker, "log_plots", _raise("log_plots"))
+
+    with pytest.raises(RuntimeError, match=f"injected: {stage}"):
+        driver.execute(plan)
+    assert MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status == "FAILED"
+    if stage != "write_record":
+        assert records.read_record(str(storage), "stages")["status"] == "FAILED"
+
+
+def test_a_run_that_ends_well_with_fakes_is_finished(write_job, tmp_path, monkeypatch):
+    """The stage test's fakes do not fail by themselves: with nothing injected the run ends FINISHED."""
+    import orchestrator.run.launch as launch
+    import orchestrator.tracking.relay as relay
+    import orchestrator.tracking.writer as writer
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
+                              checkpoint={"storage_path": str(tmp_path / "ray_results")}))
+    plan = driver.plan_run(load_job(job), job, None, RunChoice("fine"))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_source: (False, None))
+    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
+    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
+    monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: _FakeTrainer(False))
+    assert driver.execute(plan) == 0
+    assert MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status == "FINISHED"
+
+
+def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resume(write_job, tmp_path, monkeypatch):
+    import signal
+
+    import orchestrator.run.launch as launch
+    import orchestrator.tracking.relay as relay
+    import orchestrator.tracking.writer as writer
+    from orchestrator.errors import Interrupted
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
+                              checkpoint={"storage_path": str(tmp_path / "ray_results")}))
+    plan = driver.plan_run(load_job(job), job, None, RunChoice("stopped"))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_source: (False, None))
+    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
+    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
+
+    class Stopped(_FakeTrainer):
+        def fit(self):
+            raise SystemExit(0)  # what Ray Train's SIGINT handler raises inside fit()
+
+    monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: Stopped(False))
+    with pytest.raises(Interrupted) as caught:
+        driver.execute(plan)
+    assert caught.value.signum == signal.SIGINT and caught.value.exit_code == 130
+    assert f"python -m orchestrator.submit {job} --resume" in caught.value.describe()
+    assert MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status == "KILLED"

@@ -6,6 +6,7 @@ resumed run's final state is compared with an uninterrupted run's, bit for bit (
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,7 @@ def _kill_tree_of(process: subprocess.Popen, ray_temp_dir: str) -> None:
     psutil.wait_procs(ours, timeout=30)
 
 
-def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_checkpoint(
+def test_driver_killed_holding_unlogged_reports_then_resumed_in_the_same_run_past_a_corrupt_checkpoint(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
     from orchestrator.cli.submit import main
 
@@ -117,17 +118,29 @@ def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_c
     driver = subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(job)], cwd=tmp_path,
                               env={**os.environ, "RAY_TMPDIR": ray_temp}, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    database = sqlite3.connect(mlflow_uri.removeprefix("sqlite:///"), timeout=60, isolation_level=None)
     try:
         deadline = time.monotonic() + 300
-        while not list(tmp_path.glob("ray_results/*/checkpoint_000000008_*/train_state.pt")):
-            assert driver.poll() is None, "the driver ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.2)
-        time.sleep(1.0)  # let the driver's MLflow writer take the reports so far
+
+        def wait_for_checkpoint(step: int) -> None:
+            while not list(tmp_path.glob(f"ray_results/*/checkpoint_{step:09d}_*/train_state.pt")):
+                assert driver.poll() is None, "the driver ended before it could be killed"
+                assert time.monotonic() < deadline, f"no checkpoint of step {step} appeared"
+                time.sleep(0.1)
+
+        wait_for_checkpoint(2)
+        # From here MLflow takes nothing (its database is locked): the driver holds every report it gets.
+        database.execute("BEGIN EXCLUSIVE")
+        wait_for_checkpoint(8)
     finally:
         _kill_tree_of(driver, ray_temp)
+        if database.in_transaction:
+            database.execute("ROLLBACK")
+        database.close()
     client, run = only_run(mlflow_uri, "driver")
     assert run.info.status == "RUNNING"  # what a dead driver leaves behind
+    logged = [m.step for m in client.get_metric_history(run.info.run_id, "amp/loss_scale")]
+    assert max(logged, default=0) < 6, f"the dead driver must have held unlogged reports: logged {logged}"
 
     checkpoints = sorted(tmp_path.glob("ray_results/*/checkpoint_0*"))
     newest, previous = checkpoints[-1], checkpoints[-2]
@@ -147,3 +160,27 @@ def test_driver_killed_then_resumed_with_resume_in_the_same_run_past_a_corrupt_c
     assert each_step_once(client, run.info.run_id, "eval/accuracy") == [6, 12, 18, 24]
     assert main([str(job), "--resume"]) == 2  # finished: nothing left to resume
     assert "no interrupted run" in capsys.readouterr().err
+
+
+def test_a_disk_that_fills_up_during_rays_copy_leaves_no_partial_checkpoint_and_the_previous_one_loads(
+        ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
+    """ENOSPC while Ray copies the staged checkpoint of step 4 to storage (half of a file written): the run fails
+    with ampflow's disk-full message naming the checkpoint and the space it needs, the half-written directory is
+    gone, and the checkpoint of step 2 is the newest and loads."""
+    from orchestrator.cli.submit import main
+    from orchestrator.train.checkpoint import load_newest_valid, local_candidates
+
+    job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 1, "max_steps_per_epoch": 6},
+                              tracking={"uri": mlflow_uri, "experiment": "full"},
+                              checkpoint={"every_n_steps": 2}, faults={"disk_full_at_step": 4}))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "CheckpointWriteError" in err and "The disk is full (this part of the checkpoint needs" in err, err
+    assert "checkpoint_000000004_" in err and "--resume" in err
+    (run_dir,) = (tmp_path / "ray_results").iterdir()
+    assert not list(run_dir.glob("checkpoint_000000004_*")), "a half-copied checkpoint was left in storage"
+    state, warnings = load_newest_valid(local_candidates(run_dir), rank=0)
+    assert state.global_step == 2 and warnings == []
+    _, run = only_run(mlflow_uri, "full")
+    assert run.info.status == "FAILED"

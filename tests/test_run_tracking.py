@@ -45,6 +45,44 @@ def test_the_writer_logs_each_metric_once_per_step_and_a_resumed_writer_goes_on_
     assert [r["step"] for r in tracker.load_json("amp/overflow_log.json")] == [2, 3, 5]
 
 
+def test_a_resumed_runs_replayed_reports_fill_the_gap_once_and_the_writer_says_how_far_it_logged(tracker):
+    """A driver died holding reports 3-4 (steps 6, 8): the resumed run sends back every report since the last
+    one the dead driver had logged for sure (here 2-4), with their overflow records; only what MLflow lacks is
+    logged, the overflow log has no duplicates, and the new writer tells storage the newest report it logged."""
+    first = MlflowWriter(relay=None, tracker=tracker)
+    first.enqueue({"step": 2, "seq": 1, "train/loss": 0.9}, [])
+    first.enqueue({"step": 4, "seq": 2, "train/loss": 0.8}, [{"step": 3, "rank": 1, "event": "overflow"}])
+    assert first._flush(force=True)  # then the driver dies with reports 3 and 4 never taken
+
+    told = []
+    resumed = MlflowWriter(relay=None, tracker=RunTracker.open(tracker.uri, tracker.run_id), on_logged=told.append)
+    resumed.resume_from_run()
+    replay = [{"step": 4, "seq": 2, "train/loss": 0.8}, {"step": 6, "seq": 3, "train/loss": 0.7},
+              {"step": 8, "seq": 4, "train/loss": 0.6, "eval/accuracy": 0.5}]
+    resumed.enqueue({"step": 8, "seq": 4, "train/loss": 0.6, "eval/accuracy": 0.5, "replay": replay},
+                    [{"step": 3, "rank": 1, "event": "overflow"}, {"step": 7, "rank": 0, "event": "overflow"}])
+    resumed.enqueue({"step": 10, "seq": 5, "train/loss": 0.5}, [])
+    assert resumed._flush(force=True)
+    resumed._tell_logged(force=True)
+    assert [(m.step, m.value) for m in tracker.metric_history("train/loss")] == \
+        [(2, 0.9), (4, 0.8), (6, 0.7), (8, 0.6), (10, 0.5)]
+    assert [m.step for m in tracker.metric_history("eval/accuracy")] == [8]
+    assert [(r["step"], r["rank"]) for r in tracker.load_json("amp/overflow_log.json")] == [(3, 1), (7, 0)]
+    assert told == [5]
+
+
+def test_the_logged_through_record_round_trips_and_a_missing_or_torn_one_reads_as_nothing(tmp_path):
+    from pyarrow import fs
+
+    storage = str(tmp_path)
+    (tmp_path / "run").mkdir()
+    assert records.read_logged_through(fs.LocalFileSystem(), f"{tmp_path}/run") == 0
+    records.write_logged_through(storage, "run", 17)
+    assert records.read_logged_through(fs.LocalFileSystem(), f"{tmp_path}/run") == 17
+    (tmp_path / "run" / records.LOGGED).write_text('{"se')  # being rewritten as it is read
+    assert records.read_logged_through(fs.LocalFileSystem(), f"{tmp_path}/run") == 0
+
+
 def test_closing_a_run_sets_its_record_and_its_mlflow_run_to_the_same_status(tracker, tmp_path):
     storage = str(tmp_path / "runs")
     records.write_record(storage, "door", run_id=tracker.run_id, status="RUNNING")

@@ -40,6 +40,11 @@ CASES = {
                              "asks for 2 GPU (2 workers x 1), but this machine has 0"),
     "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), [], "8192 CPU (2 workers x 4096)"),
     "mlflow_unreachable": (small_job(tracking={"uri": "http://127.0.0.1:9"}), [], "cannot be reached"),
+    # Storage that cannot be written is found before Ray starts or a run is created.
+    "storage_unwritable": (small_job(checkpoint={"storage_path": "/proc/ampflow-x"}), [],
+                           "checkpoint.storage_path: cannot write checkpoints to /proc/ampflow-x"),
+    "storage_under_a_file": (small_job(checkpoint={"storage_path": "jobs/storage_under_a_file.yaml/runs"}), [],
+                             "storage_under_a_file.yaml is not a directory"),
 }
 
 @pytest.fixture(scope="module")

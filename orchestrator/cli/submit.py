@@ -2,7 +2,9 @@
 
 Exit codes: 0 success; 2 bad input (nothing started or submitted, no MLflow run; also MLflow
 unreachable when `tracking.required`); 1 training failed (the worker's exception first, the
-MLflow run marked FAILED). The run itself is driven by `orchestrator.run.driver`.
+MLflow run marked FAILED), or the driver failed after the run was created (the run marked FAILED);
+130 Ctrl-C and 143 SIGTERM (the run marked KILLED; the line printed says how to `--resume`).
+The run itself is driven by `orchestrator.run.driver`.
 
 With `--address http(s)://HEAD:8265` the job is validated here and run on that cluster
 (`orchestrator.run.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
@@ -10,13 +12,15 @@ With `--address http(s)://HEAD:8265` the job is validated here and run on that c
 
 import argparse
 import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator.run import remote
 from orchestrator.config import load_job, to_yaml
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
@@ -40,11 +44,30 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
+    args = parse_args(argv)
+    previous_sigterm = interrupt_on_sigterm()  # SIGTERM before training starts ends the command the same way
+    try:
+        return _submit(args)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM; a created run was closed KILLED on the way
+        interrupted = Interrupted.of(exc)
+        print(f"\n{interrupted.describe()}", file=sys.stderr)
+        return interrupted.exit_code
+    except Exception as exc:  # a driver-side failure after the run was created: execute() closed it FAILED
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"\n  at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+        print(f"\nerror: the driver failed: {redact(f'{type(exc).__name__}: {exc}')}{where}\n"
+              "Its MLflow run (if one was created) is marked FAILED.", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _submit(args: argparse.Namespace) -> int:
     from orchestrator.run.driver import execute, plan_run
     from orchestrator.run.preflight import preflight
 
-    install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
-    args = parse_args(argv)
     job_path = Path(args.job)
     to_cluster = remote.is_job_server_address(args.address)
     try:

@@ -13,6 +13,7 @@ Exit codes: 0 every child finished; 1 a child failed (the others still ran; its 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from orchestrator.train import models
 from orchestrator.run import remote
 from orchestrator.run.preflight import RunChoice
 from orchestrator.config import flatten, load_job
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
@@ -209,7 +210,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     child finished), FAILED or KILLED."""
     import ray
 
-    from orchestrator.run.driver import init_ray, interrupt_on_sigterm
+    from orchestrator.run.driver import init_ray
     from orchestrator.run.records import close_run
     from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
     from orchestrator.tracking.tracker import view_hint
@@ -229,18 +230,17 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         log_comparison(parent, rows)
         failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
         close_run(parent, "FAILED" if failed else "FINISHED", base.tracking.flush_timeout_s)
-    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ctrl-C through Ray Train's handler (see above)
+    except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: Ctrl-C through Ray Train's handler (see above)
         close_run(parent, "KILLED", 10)
-        print(f"\nsweep interrupted: parent run {parent.run_id} and the running child marked KILLED.",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        interrupted = Interrupted.of(exc)
+        print(f"\nsweep interrupted ({signal.Signals(interrupted.signum).name}): parent run {parent.run_id} and "
+              "the running child marked KILLED; finished children keep their results.", file=sys.stderr)
+        return interrupted.exit_code
     except BaseException:
         close_run(parent, "FAILED", 10)
         raise
     finally:
         if previous_sigterm is not None:
-            import signal
-
             signal.signal(signal.SIGTERM, previous_sigterm)
         if started_ray:
             ray.shutdown()

@@ -151,6 +151,8 @@ class FaultsSection:
     """The step at whose start `kill_rank` dies."""
     once: bool = True
     """Kill only on the first attempt, not again after Ray restarts the worker group (a marker in storage)."""
+    disk_full_at_step: Optional[int] = None
+    """Ray's copy of this step's checkpoint to storage fails part-way with ENOSPC on every rank (a disk filling up)."""
 
 
 @dataclass

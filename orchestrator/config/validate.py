@@ -89,6 +89,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r((faults.kill_rank is None) == (faults.at_step is None), "faults.at_step",
       "faults.kill_rank and faults.at_step go together: set both (or neither).")
     r(faults.at_step is None or faults.at_step >= 1, "faults.at_step", "steps are global optimizer steps counted from 1.")
+    r(faults.disk_full_at_step is None or faults.disk_full_at_step >= 1, "faults.disk_full_at_step",
+      "steps are global optimizer steps counted from 1.")
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
     r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")

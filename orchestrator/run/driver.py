@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,9 @@ from omegaconf import DictConfig
 
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_on_sigterm
 from orchestrator.run.preflight import RunChoice
+from orchestrator.run import records
 from orchestrator.run.records import close_run
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
@@ -71,18 +71,25 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
     quick_http_failures()
     uri = resolve_uri(cfg.tracking.uri, Path.cwd())
     run_name, resume = run.name, run.resume
+    created_storage = False
+    if not resume:  # the run's directory is this submit's from here on, whoever else submits the same job
+        created_storage = records.claim(cfg.checkpoint.storage_path, run_name)
     try:
         if resume and run.mlflow_run_id:
             tracker = RunTracker.open(uri, run.mlflow_run_id)
             tracker.reopen()
         else:
             tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id)
-    except TrackingUnavailable:
-        if cfg.tracking.required:
+    except BaseException as exc:
+        if isinstance(exc, TrackingUnavailable) and not cfg.tracking.required:
+            tracker = None
+        else:
+            if not resume:  # nothing started: the name is free again
+                records.release(cfg.checkpoint.storage_path, run_name, created_storage)
             raise
+    if tracker is None:
         print(f"warning: MLflow at {redact(uri)} cannot be reached; training anyway (tracking.required: false). "
               "The run is created and filled in once it answers.", file=sys.stderr)
-        tracker = None
     return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id)
 
 
@@ -111,13 +118,63 @@ def init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[boo
     return True, None
 
 
+class RunEnd:
+    """Ends the planned run exactly once: flushes the MLflow writer (once there is one), then `close_run`
+    (run record + MLflow status) with the tracker as it is by then (MLflow may have come back mid-run)."""
+
+    def __init__(self, plan: RunPlan):
+        self.plan, self.tracker, self.writer, self.status = plan, plan.tracker, None, None
+
+    def flush(self, timeout_s: float):
+        """Stop the writer and log what it still holds; the tracker the run ended up with."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close(timeout_s)
+            finally:  # even a writer that fails to close leaves the run to be closed
+                self.tracker = writer.tracker
+        return self.tracker
+
+    def close(self, status: str, timeout_s: Optional[float] = None) -> None:
+        if self.status is not None:
+            return
+        timeout_s = self.plan.cfg.tracking.flush_timeout_s if timeout_s is None else timeout_s
+        self.status = status
+        try:
+            self.flush(timeout_s)
+        except Exception as exc:  # what the writer held is lost, but the run still ends with its status
+            print(f"error: the MLflow writer failed while closing ({type(exc).__name__}: {redact(str(exc))}).",
+                  file=sys.stderr)
+        close_run(self.tracker, status, timeout_s, self.plan.cfg.checkpoint.storage_path, self.plan.run_name)
+
+
 def execute(plan: RunPlan) -> int:
-    """Train the planned run; the MLflow run always ends FINISHED, FAILED or KILLED."""
+    """Train the planned run; the MLflow run always ends FINISHED, FAILED or KILLED, whatever happens on the
+    driver after it was created (Ray, storage, the writer, fit, logging the model, the export).
+
+    Ctrl-C and SIGTERM close it KILLED and raise `Interrupted`, which says how to `--resume`; any other error
+    on the driver closes it FAILED and is raised again.
+    """
     install_console_redaction()  # idempotent: callers from Python get it too
+    end = RunEnd(plan)
+    try:
+        return _execute(plan, end)
+    except BaseException as exc:
+        # SystemExit: Ctrl-C during fit(), which installs Ray Train's SIGINT handler (it aborts the controller
+        # and calls sys.exit).
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        end.close("KILLED" if interrupted else "FAILED", timeout_s=10)
+        if interrupted:
+            hint = (f"Run {plan.run_name} closed KILLED; continue it from its last checkpoint with: "
+                    f"python -m orchestrator.submit {plan.job_path} --resume")
+            raise Interrupted(Interrupted.of(exc).signum, resume_hint=hint) from None
+        raise
+
+
+def _execute(plan: RunPlan, end: RunEnd) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from orchestrator.run import records as records
     from orchestrator.run.launch import build_trainer
     from orchestrator.run.preflight import check_cluster_capacity
     from orchestrator.tracking.writer import MlflowWriter
@@ -134,7 +191,7 @@ def execute(plan: RunPlan) -> int:
     try:
         started_ray, worker_runtime_env = init_ray(plan.address, module_source)
     except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
-        close_run(plan.tracker, "FAILED", timeout_s=10)  # no record yet: nothing in storage to close
+        end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
         print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
               "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
         return EXIT_FAILED
@@ -148,9 +205,10 @@ def execute(plan: RunPlan) -> int:
         records.write_record(storage, plan.run_name, job_file=str(plan.job_path.resolve()), run_id=run_id,
                              tracking_uri=redact(plan.uri), status="RUNNING")
         relay = ReportRelay.remote()
-        writer = MlflowWriter(relay, plan.tracker,
-                              start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name,
-                                                           plan.parent_run_id))
+        writer = end.writer = MlflowWriter(
+            relay, plan.tracker,
+            start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id),
+            on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq))
         if plan.resume and plan.tracker is not None:
             writer.resume_from_run()
         writer.start()
@@ -162,37 +220,17 @@ def execute(plan: RunPlan) -> int:
                 result = trainer.fit()
         except TrainingFailedError as exc:
             failure = exc
-        except BaseException as exc:  # Ctrl-C or a driver-side error: close the run, then let it propagate
-            # Ctrl-C arrives as SystemExit: fit() installs Ray Train's SIGINT handler, which aborts the
-            # controller and calls sys.exit.
-            interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-            writer.close(timeout_s=10)
-            close_run(writer.tracker, "KILLED" if interrupted else "FAILED", 10, storage, plan.run_name)
-            raise
-        writer.close(cfg.tracking.flush_timeout_s)
-        tracker = writer.tracker
+        tracker = end.flush(cfg.tracking.flush_timeout_s)
         if tracker is not None and tracker.run_id != run_id:
             records.write_record(storage, plan.run_name, run_id=tracker.run_id)
         if failure is not None:
-            return _failed(plan, tracker, failure)
-        return _finished(plan, tracker, result, module_source)
+            return _failed(plan, end, failure)
+        return _finished(plan, end, result, module_source)
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
         if started_ray:
             ray.shutdown()
-
-
-def interrupt_on_sigterm():
-    """`jobs stop` and Kubernetes end a job with SIGTERM: raise KeyboardInterrupt instead, so the MLflow
-    run is closed KILLED rather than left RUNNING. Returns the previous handler (None off the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"stopped by signal {signum}")
-
-    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _last_frame(traceback_text: str) -> Optional[str]:
@@ -222,14 +260,11 @@ def summarize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _close(plan: RunPlan, tracker, status: str) -> None:
-    close_run(tracker, status, plan.cfg.tracking.flush_timeout_s, plan.cfg.checkpoint.storage_path, plan.run_name)
-
-
-def _failed(plan: RunPlan, tracker, failure) -> int:
+def _failed(plan: RunPlan, end: RunEnd, failure) -> int:
+    tracker = end.tracker
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
-    _close(plan, tracker, "FAILED")
+    end.close("FAILED")
     print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
@@ -238,12 +273,12 @@ def _failed(plan: RunPlan, tracker, failure) -> int:
     return EXIT_FAILED
 
 
-def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> int:
+def _finished(plan: RunPlan, end: RunEnd, result, module_source: Optional[Path]) -> int:
     from orchestrator.tracking.tracker import view_hint
 
-    cfg = plan.cfg
+    cfg, tracker = plan.cfg, end.tracker
     if tracker is None:
-        _close(plan, tracker, "FINISHED")
+        end.close("FINISHED")
         print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
               f"Checkpoints: {result.path}", file=sys.stderr)
         return EXIT_OK
@@ -259,7 +294,7 @@ def _finished(plan: RunPlan, tracker, result, module_source: Optional[Path]) -> 
     exit_code = EXIT_OK
     if cfg.export.dtype is not None and result.checkpoint is not None:
         exit_code = _export_after_training(cfg, result.checkpoint, tracker)
-    _close(plan, tracker, "FINISHED")
+    end.close("FINISHED")
 
     final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
     print(f"\nRun finished: {tracker.run_id}")

@@ -10,7 +10,9 @@ the cluster checks itself: its data, its capacity and its storage.
 """
 
 import os
+import secrets
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,9 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     faults.check(base.faults, model)
     if not address:
         check_local_capacity(base)
+    if not to_job_server:  # a job server's storage is the cluster's
+        for storage in dict.fromkeys(cfg.checkpoint.storage_path for cfg in configs):
+            check_storage_writable(storage)
     runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
     return Preflight(model, runs)
 
@@ -84,7 +89,9 @@ def check_lint(cfg: DictConfig, model) -> None:
 
 
 def default_run_name(job_path: Path) -> str:
-    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """`<job stem>-<date>-<time>-<6 hex>`: readable, and distinct for two submits of one job in the same second
+    (which name is actually taken is settled when the run claims its directory: `records.claim`)."""
+    return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def choose_run(cfg: DictConfig, job_path: Path, resume: bool) -> RunChoice:
@@ -100,6 +107,25 @@ def choose_run(cfg: DictConfig, job_path: Path, resume: bool) -> RunChoice:
         raise BadInput(f"run.name: a run named '{name}' already exists in {storage}. Choose another run.name, "
                        "or continue it with `python -m orchestrator.submit JOB --resume`.")
     return RunChoice(name)
+
+
+def check_storage_writable(storage_path: str) -> None:
+    """A local `checkpoint.storage_path` must be a directory this process can write in, or one it can create:
+    found here, not after Ray started and the run was created. Probed with a temporary directory in the path
+    or its nearest existing parent, removed at once (nothing is left behind). A URI (s3://, gs://, ...) is left
+    to the run: buckets and credentials can only be checked by writing."""
+    if "://" in storage_path:
+        return
+    path = Path(storage_path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".ampflow-write-check-", dir=existing))
+    except OSError as exc:
+        raise BadInput(f"checkpoint.storage_path: cannot write checkpoints to {storage_path} "
+                       f"({exc.strerror or exc}). Point checkpoint.storage_path at a writable directory (or a "
+                       "storage URI such as s3://bucket/path).") from None
 
 
 # -- capacity -------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import Any, Optional
 from orchestrator.errors import BadInput
 
 RECORD = "ampflow_run.json"
+LOGGED = "ampflow_logged.json"
+"""`{"seq": N}`: the driver's MLflow writer has logged every report up to report N (workers read it)."""
 
 
 def _filesystem(storage_path: str):
@@ -30,6 +32,22 @@ def write_record(storage_path: str, run_name: str, **fields: Any) -> None:
     filesystem.create_dir(f"{base}/{run_name}", recursive=True)
     with filesystem.open_output_stream(f"{base}/{run_name}/{RECORD}") as out:
         out.write(json.dumps(record, indent=2).encode())
+
+
+def write_logged_through(storage_path: str, run_name: str, seq: int) -> None:
+    filesystem, base = _filesystem(storage_path)
+    with filesystem.open_output_stream(f"{base}/{run_name}/{LOGGED}") as out:
+        out.write(json.dumps({"seq": seq}).encode())
+
+
+def read_logged_through(filesystem, run_dir: str) -> int:
+    """What `write_logged_through` left in `run_dir` (a pyarrow filesystem and path); 0 when nothing is known
+    yet or the file is being rewritten (the workers then keep more than they need, never less)."""
+    try:
+        with filesystem.open_input_stream(f"{run_dir}/{LOGGED}") as handle:
+            return int(json.loads(handle.read())["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def read_record(storage_path: str, run_name: str) -> Optional[dict[str, Any]]:
@@ -48,6 +66,41 @@ def run_exists(storage_path: str, run_name: str) -> bool:
 
     filesystem, base = _filesystem(storage_path)
     return filesystem.get_file_info(f"{base}/{run_name}").type != fs.FileType.NotFound
+
+
+def claim(storage_path: str, run_name: str) -> bool:
+    """Take `run_name`'s directory in storage for this submit alone: BadInput when it exists already (another
+    submit took the name first, or an earlier run has it). On a local path the directory is created atomically,
+    so of two submits racing for one name exactly one wins; on a URI (no atomic create) it is checked, then
+    created, and the default names' random suffix keeps submits apart. Returns whether `storage_path` itself
+    was created (for `release`)."""
+    filesystem, base = _filesystem(storage_path)
+    try:
+        if "://" in storage_path:
+            if run_exists(storage_path, run_name):
+                raise FileExistsError(run_name)
+            filesystem.create_dir(f"{base}/{run_name}", recursive=True)
+            return False
+        created = not Path(base).exists()
+        Path(base).mkdir(parents=True, exist_ok=True)
+        Path(base, run_name).mkdir()
+        return created
+    except FileExistsError:
+        raise BadInput(f"run.name: a run named '{run_name}' already exists in {storage_path} (another submit may "
+                       "have just taken it). Choose another run.name, or continue it with "
+                       "`python -m orchestrator.submit JOB --resume`.") from None
+
+
+def release(storage_path: str, run_name: str, created_storage: bool = False) -> None:
+    """Give back a claimed name whose run never started (its directory still empty), and the storage directory
+    when `claim` created it and it is empty again: a submit refused at this point leaves nothing behind."""
+    if "://" in storage_path:
+        return
+    for directory in (Path(storage_path, run_name), *([Path(storage_path)] if created_storage else [])):
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (the run started after all, or another run is there) or already gone
+            return
 
 
 def find_resumable(storage_path: str, job_path: Path) -> dict[str, Any]:

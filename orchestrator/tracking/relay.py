@@ -11,8 +11,7 @@ from typing import Any
 import ray
 from ray.train import UserCallback
 
-OVERFLOW_LOG = "amp/overflow_log"
-"""Every rank's skipped-step records, merged into one artifact."""
+from orchestrator.train.step import OVERFLOW_LOG  # noqa: F401  (every rank's skipped-step records)
 
 
 @ray.remote(num_cpus=0)

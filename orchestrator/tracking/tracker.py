@@ -62,6 +62,20 @@ def git_commit(directory: Path) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _create_experiment(client, name: str) -> str:
+    """Create experiment `name`; when another submit created it a moment ago (MLflow refuses a second one with
+    the same name), use that one."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
 class RunTracker:
     """Driver-side handle on the job's MLflow run."""
 
@@ -85,9 +99,8 @@ class RunTracker:
                 f"tracking: MLflow at {redact(uri)} cannot be reached ({type(exc).__name__}: {redact(str(exc))[:300]}). "
                 "Start the tracking server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.required: false "
                 "to train anyway and log once it is back.") from None
-        experiment_id = (
-            experiment.experiment_id if experiment is not None else client.create_experiment(cfg.tracking.experiment)
-        )
+        experiment_id = experiment.experiment_id if experiment is not None else \
+            _create_experiment(client, cfg.tracking.experiment)
         run = client.create_run(experiment_id, run_name=run_name, tags=redact_all(tags))
         tracker = cls(uri, experiment_id, run.info.run_id)
         try:

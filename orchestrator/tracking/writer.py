@@ -8,6 +8,7 @@ original timestamps, once it answers again. With `tracking.required: false` the 
 be created late the same way. Everything goes through the run's `RunTracker`, which redacts it.
 """
 
+import json
 import logging
 import sys
 import threading
@@ -21,8 +22,12 @@ from orchestrator.tracking.relay import OVERFLOW_LOG
 
 logger = logging.getLogger("ampflow.tracking")
 
-CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags", "warnings"}
-"""Keys of a report that are bookkeeping (progress line, tags, warnings), not metrics."""
+CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags", "warnings", "seq", "replay"}
+"""Keys of a report that are bookkeeping (progress line, tags, warnings, numbering, reports sent again), not
+metrics."""
+
+LOGGED_EVERY_S = 2.0
+"""How often, at most, the writer tells storage how far it has logged (`on_logged`)."""
 
 
 def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -40,9 +45,13 @@ def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 
 class MlflowWriter:
-    def __init__(self, relay, tracker=None, start_run: Optional[Callable[[], Any]] = None, poll_s: float = 1.0):
-        """`tracker`: the run's RunTracker, or None with `start_run` creating it once MLflow answers."""
+    def __init__(self, relay, tracker=None, start_run: Optional[Callable[[], Any]] = None, poll_s: float = 1.0,
+                 on_logged: Optional[Callable[[int], None]] = None):
+        """`tracker`: the run's RunTracker, or None with `start_run` creating it once MLflow answers.
+        `on_logged(seq)`: told (every few seconds, and at the end) the `seq` of the newest report MLflow has
+        taken with all before it, so the workers stop keeping those for a resumed run to send again."""
         self.relay, self.tracker, self._start_run, self.poll_s = relay, tracker, start_run, poll_s
+        self.on_logged, self.logged_seq, self._told_seq, self._told_at = on_logged, 0, 0, 0.0
         self.pending: deque[tuple[str, Any]] = deque()
         self.last_step: dict[str, int] = {}
         self.overflow_log: list[dict[str, Any]] = []
@@ -67,11 +76,16 @@ class MlflowWriter:
     def close(self, timeout_s: float) -> int:
         """Stop the thread, take the last reports, and flush for up to `timeout_s`; returns records left unsent."""
         self._stop.set()
-        self._thread.join()
-        self._drain()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
+        try:
+            self._drain()
+        except Exception as exc:  # the relay went down with Ray (an interrupt): log what was taken already
+            logger.warning("ampflow: the last reports could not be read from the relay (%s).", exc)
         deadline = time.monotonic() + timeout_s
         while not self._flush(force=True) and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        self._tell_logged(force=True)
         if self.pending:
             print(f"error: MLflow did not take {len(self.pending)} record(s) within tracking.flush_timeout_s="
                   f"{timeout_s:g}s; they are lost. Check that the tracking server is up.", file=sys.stderr)
@@ -84,6 +98,18 @@ class MlflowWriter:
             except Exception as exc:  # the relay is on this machine; a hiccup here must not kill the thread
                 logger.warning("ampflow: could not read reports from the relay (%s).", exc)
             self._flush()
+            self._tell_logged()
+
+    def _tell_logged(self, force: bool = False) -> None:
+        if self.on_logged is None or self.logged_seq == self._told_seq:
+            return
+        if not force and time.monotonic() - self._told_at < LOGGED_EVERY_S:
+            return
+        try:
+            self.on_logged(self.logged_seq)
+            self._told_seq, self._told_at = self.logged_seq, time.monotonic()
+        except Exception as exc:  # the workers then keep more reports than needed; nothing is lost
+            logger.warning("ampflow: could not record how far the run is logged (%s).", exc)
 
     # -- reports -> records -----------------------------------------------------------------------
 
@@ -92,11 +118,13 @@ class MlflowWriter:
             self.enqueue(report, overflow)
 
     def enqueue(self, report: dict[str, Any], overflow: list[dict[str, Any]]) -> None:
+        for resent in report.get("replay", []):  # a resumed run's reports the previous driver may have lost
+            self.enqueue(resent, [])
         timestamp = int(time.time() * 1000)
         self.newest = {**self.newest, **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
         metrics = {key: float(value) for key, value in report.items()
                    if key not in CONTROL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
-        self.pending.append(("metrics", (int(report["step"]), timestamp, metrics)))
+        self.pending.append(("metrics", (int(report["step"]), timestamp, metrics, int(report.get("seq", 0)))))
         if report.get("tags"):
             self.pending.append(("tags", report["tags"]))
         for key, value in report.items():
@@ -136,17 +164,22 @@ class MlflowWriter:
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "metrics":
-            step, timestamp, metrics = payload
+            step, timestamp, metrics, seq = payload
             fresh = {key: value for key, value in metrics.items() if step > self.last_step.get(key, -1)}
             if fresh:
                 self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
             self.last_step.update(dict.fromkeys(fresh, step))
+            self.logged_seq = max(self.logged_seq, seq)
         elif kind == "tags":
             self.tracker.set_tags(payload)
         elif kind == "json":
             path, value = payload
             self.tracker.log_dict(value, path)
         elif kind == "overflow":
-            merged = sorted(self.overflow_log + payload, key=lambda r: (r["step"], r.get("rank", -1)))
+            known = {json.dumps(record, sort_keys=True) for record in self.overflow_log}
+            fresh = [record for record in payload if json.dumps(record, sort_keys=True) not in known]
+            if not fresh:  # all sent again by a resumed run, and logged already
+                return
+            merged = sorted(self.overflow_log + fresh, key=lambda r: (r["step"], r.get("rank", -1)))
             self.tracker.log_dict(merged, f"{OVERFLOW_LOG}.json")
             self.overflow_log = merged

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import tempfile
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -76,6 +77,48 @@ def write_checkpoint_files(directory: Path, rank: int, shared: Optional[dict[str
     (directory / manifest_file(rank)).write_text(json.dumps(written))
 
 
+STAGING_PREFIX = "ampflow-ckpt-"
+"""Staging directories are `<tmp>/ampflow-ckpt-<pid>-<random>`: the pid tells a crashed writer's from a live one's."""
+
+
+def write_failure(exc: OSError, what: str, needed_bytes: Optional[int] = None) -> CheckpointWriteError:
+    """The one message for a checkpoint that could not be written: what, why, the space it needs when the disk
+    is full, and that the previous checkpoint is intact."""
+    hint = ""
+    if exc.errno == errno.ENOSPC or "No space left on device" in str(exc):
+        needs = f" (this part of the checkpoint needs {needed_bytes / 2**20:.1f} MiB)" if needed_bytes else ""
+        hint = f" The disk is full{needs}: free space or point checkpoint.storage_path elsewhere."
+    return CheckpointWriteError(f"could not write {what} ({exc}).{hint} The previous checkpoint is intact; resume "
+                                "from it with `python -m orchestrator.submit JOB --resume`.")
+
+
+def directory_size(directory: Path) -> int:
+    return sum(path.stat().st_size for path in Path(directory).rglob("*") if path.is_file())
+
+
+def remove_stale_staging(directory: Optional[Path] = None) -> list[Path]:
+    """Remove staging directories left by processes that are gone (killed while staging); returns them.
+    A live process's staging directory is never touched."""
+    removed = []
+    for path in Path(directory or tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*"):
+        pid = path.name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 @contextmanager
 def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str, Any], step: int,
                       save: Callable[[Any, Path], None] = torch.save) -> Iterator[Path]:
@@ -84,16 +127,11 @@ def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str
     A failed write (ENOSPC, I/O error) removes the temporary directory and raises
     CheckpointWriteError: the previous checkpoint stays the newest, untouched.
     """
-    with tempfile.TemporaryDirectory(prefix="ampflow-ckpt-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-") as tmp:
         try:
             write_checkpoint_files(Path(tmp), rank, shared, own, save)
         except OSError as exc:
-            hint = " The disk is full: free space or point checkpoint.storage_path elsewhere." \
-                if exc.errno == errno.ENOSPC else ""
-            raise CheckpointWriteError(
-                f"could not write the checkpoint of step {step} on rank {rank} ({exc}).{hint} "
-                "The previous checkpoint is intact; resume from it with `python -m orchestrator.submit JOB --resume`."
-            ) from exc
+            raise write_failure(exc, f"the checkpoint of step {step} on rank {rank}") from exc
         yield Path(tmp)
 
 

@@ -11,6 +11,7 @@ exist to resume from, where faults leave their markers. Ray Train's worker (`orc
 is one session; `orchestrator.train.local` runs the same loop in plain processes (tests, benchmarks).
 """
 
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,14 +22,16 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from orchestrator.train import rng
-from orchestrator.train.checkpoint import Candidate, dir_name, load_newest_valid, staged_checkpoint
+from orchestrator.train.checkpoint import (
+    Candidate, dir_name, load_newest_valid, remove_stale_staging, staged_checkpoint,
+)
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.faults import Faults
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import (
-    Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, read_window, recover_from_collapse,
-    scale_telemetry, train_step,
+    OVERFLOW_LOG, Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, read_window,
+    recover_from_collapse, scale_telemetry, train_step,
 )
 from orchestrator.train.training import Training, Wrap, build_training
 
@@ -50,9 +53,31 @@ class Session(Protocol):
     def fault_marker_dir(self) -> Optional[tuple[Any, str]]:
         """(pyarrow filesystem, directory) where `faults.once` leaves its marker; None: no marker."""
 
+    def logged_through(self) -> Optional[int]:
+        """(Rank 0) the `seq` of the newest report the driver has logged for sure, 0 when none is known; None
+        when no driver can lose reports (nothing needs keeping)."""
+
+
+MAX_UNLOGGED = 1000
+"""Most reports a rank keeps for a resumed run to send again (a driver cut off from MLflow for that long loses
+the oldest of them if it dies too)."""
+
 
 def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
+
+
+def kept_for_replay(metrics: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
+    """What of a report a rank keeps until the driver has logged it: rank 0 its report (the one the driver
+    logs), every rank its overflow records (the driver merges all ranks'); warnings are not repeated."""
+    if rank == 0:
+        kept = {key: value for key, value in metrics.items() if key != "warnings"}
+    elif metrics.get(OVERFLOW_LOG):
+        kept = {"seq": metrics["seq"], OVERFLOW_LOG: metrics[OVERFLOW_LOG]}
+    else:
+        return None
+    # Plain numbers, strings, lists and dicts only: the checkpoint loads with torch.load(weights_only=True).
+    return json.loads(json.dumps(kept, default=float))
 
 
 class TrainingLoop:
@@ -65,9 +90,14 @@ class TrainingLoop:
         self.pending: dict[str, Any] = {}
         """Metrics, tables and tags for the next report."""
         self.global_step = 0
+        self.seq = 0
+        """Reports made so far in the run (every rank counts them alike; resumed from the checkpoint)."""
+        self.unlogged: list[dict[str, Any]] = []
+        """This rank's reports the driver may not have logged yet (`kept_for_replay`), oldest first."""
 
     def run(self) -> Training:
         cfg, rank, device = self.cfg, self.rank, self.device
+        remove_stale_staging()  # what a process killed while staging a checkpoint left behind
         seed_everything(cfg.run.seed + rank)
         faults = Faults(cfg.faults, rank, self.session.fault_marker_dir())
         on_collapse, every_n_steps = cfg.precision.scaler.on_collapse, cfg.checkpoint.every_n_steps
@@ -153,8 +183,16 @@ class TrainingLoop:
             self.window.load_state(state.rank.window)
         if state.precision != OmegaConf.to_container(self.cfg.precision):
             warnings.append("the job's precision section differs from the one the checkpoint was trained with.")
-        self.session.report({**state.report, "warnings": warnings,
-                             "tags": {"resumed_from_step": str(self.global_step)}} if self.rank == 0 else {})
+        # The reports the driver may not have logged before it died, in order, then the checkpoint's own.
+        self.seq = state.report_seq
+        self.unlogged = list(state.rank.unlogged) if state.rank is not None else []
+        overflow = [record for kept in self.unlogged for record in kept.get(OVERFLOW_LOG, [])]
+        resent = {OVERFLOW_LOG: overflow} if overflow else {}
+        if self.rank == 0:
+            replay = [{k: v for k, v in kept.items() if k != OVERFLOW_LOG} for kept in self.unlogged]
+            resent.update({**state.report, "replay": replay, "warnings": warnings,
+                           "tags": {"resumed_from_step": str(self.global_step)}})
+        self.session.report(resent)
         return epoch, batches_done
 
     # -- reports ------------------------------------------------------------------------------------
@@ -170,19 +208,31 @@ class TrainingLoop:
         """Report; with `checkpoint_at=(epoch, batches_done)` every rank also saves its part of a checkpoint.
         The time it takes is left out of `perf/samples_per_s`."""
         began = time.perf_counter()
+        self.seq += 1
+        metrics = {**metrics, "seq": self.seq}
+        kept = kept_for_replay(metrics, self.rank)
+        if kept is not None:
+            self.unlogged = [*self.unlogged, kept][-MAX_UNLOGGED:]
         if checkpoint_at is None:
             self.session.report(metrics)
         else:
-            own = RankState(rng.capture(), self.window.state())
+            self.forget_logged()
+            own = RankState(rng.capture(), self.window.state(), self.unlogged)
             state = None
             if self.rank == 0 or self.last_good is not None:  # other ranks need it only as a rollback snapshot
                 state = self.training.capture().at(
                     epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
                     precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id,
-                    report=scalars(metrics), rank=own)
+                    report=scalars(metrics), rank=own, report_seq=self.seq)
             if self.last_good is not None:
                 self.last_good = state.detached()
             shared = state.to_files()[0] if self.rank == 0 else None
             with staged_checkpoint(self.rank, shared, asdict(own), self.global_step) as directory:
                 self.session.report(metrics, directory, dir_name(self.global_step, self.attempt))
         self.window.exclude_since(began)
+
+    def forget_logged(self) -> None:
+        """Drop the kept reports the driver has logged (rank 0 asks, every rank hears the same answer)."""
+        logged = self.session.logged_through() if self.rank == 0 else 0
+        logged = all_reduce([-1.0 if logged is None else float(logged)], self.device)[0]
+        self.unlogged = [] if logged < 0 else [kept for kept in self.unlogged if kept["seq"] > logged]

@@ -23,10 +23,14 @@ class IncompatibleCheckpoint(ValueError):
 
 @dataclass
 class RankState:
-    """One rank's own part: its RNG states and its loss window not reported yet."""
+    """One rank's own part: its RNG states, its loss window not reported yet, and its reports the driver may
+    not have logged yet."""
 
     rng: dict[str, Any]
     window: dict[str, float]
+    unlogged: list[dict[str, Any]] = field(default_factory=list)
+    """Reports since the last one the driver had logged for sure (numbered by `seq`): a resumed run sends them
+    again, so a driver that died holding them loses nothing (the writer drops what MLflow already has)."""
 
 
 @dataclass
@@ -55,6 +59,8 @@ class TrainState:
     """The MLflow run the state belongs to."""
     report: dict[str, Any] = field(default_factory=dict)
     """The metrics reported with the checkpoint (sent again on resume; logged once)."""
+    report_seq: int = 0
+    """How many reports the run had made when the checkpoint was taken (reports are numbered from 1)."""
     rank: Optional[RankState] = None
     """This rank's own part; None for a rank the checkpoint has none of (the world grew)."""
 
@@ -79,14 +85,15 @@ class TrainState:
             if not {"rng", "window"} <= own.keys():
                 raise IncompatibleCheckpoint("a rank's part lacks its RNG states or loss window. Start the job afresh "
                                              "(without --resume).")
-            rank = RankState(own["rng"], own["window"])
+            rank = RankState(own["rng"], own["window"], own.get("unlogged", []))
         return cls(**values, rank=rank)
 
     def at(self, *, epoch: int, batches_done: int, global_step: int, precision: dict[str, Any],
-           run_id: Optional[str], report: dict[str, Any], rank: Optional[RankState]) -> "TrainState":
+           run_id: Optional[str], report: dict[str, Any], rank: Optional[RankState],
+           report_seq: int = 0) -> "TrainState":
         """This state placed in the run: where it was taken, and what was reported with it."""
         return replace(self, epoch=epoch, batches_done=batches_done, global_step=global_step, precision=precision,
-                       run_id=run_id, report=report, rank=rank)
+                       run_id=run_id, report=report, rank=rank, report_seq=report_seq)
 
     def detached(self) -> "TrainState":
         """A copy with every tensor cloned to the CPU (a snapshot that training cannot change)."""

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from orchestrator.train.faults import Faults
 
 
+OVERFLOW_LOG = "amp/overflow_log"
+"""The report key holding a rank's skipped-step records (the driver merges every rank's into one artifact)."""
+
+
 def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
     """Reduce a few numbers over all ranks in one collective."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -118,7 +122,7 @@ def read_window(training: Training, window: Window, step: int) -> dict[str, floa
 def scale_telemetry(training: Training) -> dict[str, Any]:
     """The loss scale's `amp/*` metrics and the overflow records since the last report (taken now)."""
     guard = training.precision.guard
-    return {**guard.metrics(), "amp/overflow_log": guard.drain_overflow_log()}
+    return {**guard.metrics(), OVERFLOW_LOG: guard.drain_overflow_log()}
 
 
 @torch.no_grad()
