@@ -54,6 +54,7 @@ class RayHead:
         self.token_file.write_text(self.token)
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
         self.address = f"http://127.0.0.1:{ports['--dashboard-port']}"
+        self.gcs_address = f"127.0.0.1:{ports['--port']}"  # what a driver connects to (`--address`)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
                    RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5", **self.extra_env)

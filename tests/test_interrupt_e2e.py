@@ -1,50 +1,49 @@
-"""Ctrl-C and SIGTERM end a training submit the way shells and schedulers expect: exit 130 (SIGINT) or 143
-(SIGTERM), one line saying the run was interrupted and how to continue it, no traceback, and the MLflow run
-closed KILLED. A real driver process, real signals, sent while Ray Train is training."""
+"""Real driver processes against one real Ray cluster (a head started here, token auth on):
 
-import os
+- Ctrl-C and SIGTERM end a training submit the way shells and schedulers expect: exit 130 (SIGINT) or
+  143 (SIGTERM), one line saying the run was interrupted and how to continue it, no traceback, the MLflow
+  run closed KILLED. The signals are sent while Ray Train is training.
+- Two submits of one job started at the same moment get two runs: their own name, their own run
+  directory and record, one experiment that either of them created.
+"""
+
+import json
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
-import psutil
 import pytest
+from mlflow import MlflowClient
 
 from conftest import small_job
+from ray_head import RayHead
 from test_submit_e2e import only_run
 
 pytestmark = pytest.mark.slow
 
 
-def _stop_ray_of(ray_temp_dir: str) -> None:
-    """Whatever Ray processes of this test's own temp dir outlived the driver (none when it shut Ray down)."""
-    ours = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(ray_temp_dir in part for part in (proc.info["cmdline"] or [])) \
-                    or proc.environ().get("RAY_TMPDIR") == ray_temp_dir:
-                ours.append(proc)
-        except psutil.Error:
-            continue
-    for proc in ours:
-        proc.kill()
-    psutil.wait_procs(ours, timeout=30)
+@pytest.fixture(scope="module")
+def head():
+    with RayHead(num_cpus=4) as ray_head:
+        yield ray_head
+
+
+def submit(head: RayHead, job: Path, workdir: Path, stderr_path: Path) -> subprocess.Popen:
+    with open(stderr_path, "w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(job), "--address", head.gcs_address],
+                                cwd=workdir, env=head.client_env(), stdout=subprocess.DEVNULL, stderr=stderr)
 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_run_killed(
-        signum, exit_code, tmp_path, write_job, mlflow_uri):
+        head, signum, exit_code, tmp_path, write_job, mlflow_uri):
     job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 200, "max_steps_per_epoch": 6},
                               tracking={"uri": mlflow_uri, "experiment": "signals", "log_every_n_steps": 1},
                               checkpoint={"every_n_steps": 2}))
-    ray_temp = tempfile.mkdtemp(prefix="ampflow-rt-", dir="/tmp")  # short: Ray's socket paths are limited
     stderr_path = tmp_path / "stderr.txt"
-    with open(stderr_path, "w") as stderr:
-        driver = subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(job)], cwd=tmp_path,
-                                  env={**os.environ, "RAY_TMPDIR": ray_temp}, start_new_session=True,
-                                  stdout=subprocess.DEVNULL, stderr=stderr)
+    driver = submit(head, job, tmp_path, stderr_path)
     try:
         deadline = time.monotonic() + 240
         while not list(tmp_path.glob("ray_results/*/checkpoint_0*/train_state.pt")):  # training, inside fit()
@@ -56,7 +55,6 @@ def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_ru
     finally:
         if driver.poll() is None:
             driver.kill()
-        _stop_ray_of(ray_temp)
     err = stderr_path.read_text()
     assert returncode == exit_code, err
     assert "Traceback" not in err, err
@@ -66,3 +64,25 @@ def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_ru
     assert f"python -m orchestrator.submit {job} --resume" in lines[0]
     _, run = only_run(mlflow_uri, "signals")
     assert run.info.status == "KILLED"
+
+
+def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(head, tmp_path, write_job, mlflow_uri):
+    """Before: both took the name `<job>-<second>`, wrote into one run directory (one record for two MLflow
+    runs), and one of them could die creating the experiment the other had just created."""
+    job = write_job(small_job(precision={"preset": "O0"}, scaling={"num_workers": 1},
+                              run={"epochs": 1, "max_steps_per_epoch": 2},
+                              tracking={"uri": mlflow_uri, "experiment": "twice"}), name="same.yaml")
+    drivers = [submit(head, job, tmp_path, tmp_path / f"stderr{i}.txt") for i in range(2)]
+    codes = [driver.wait(timeout=300) for driver in drivers]
+    assert codes == [0, 0], [(tmp_path / f"stderr{i}.txt").read_text() for i in range(2)]
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("twice").experiment_id])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    names = {r.info.run_name for r in runs}
+    assert len(names) == 2 and all(name.startswith("same-") for name in names), names
+    for run in runs:  # each run directory is one run's: its record names its MLflow run, one attempt wrote it
+        run_dir = tmp_path / "ray_results" / run.info.run_name
+        assert json.loads((run_dir / "ampflow_run.json").read_text())["run_id"] == run.info.run_id
+        attempts = {path.name.rsplit("_", 1)[1] for path in run_dir.glob("checkpoint_0*")}
+        assert len(attempts) == 1, sorted(p.name for p in run_dir.glob("checkpoint_0*"))

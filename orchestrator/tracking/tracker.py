@@ -8,6 +8,8 @@ through the small named methods here, never through an MLflow client of their ow
 logged is redacted in one place (`orchestrator.tracking.secrets`).
 """
 
+import contextlib
+import fcntl
 import logging
 import os
 import subprocess
@@ -62,6 +64,23 @@ def git_commit(directory: Path) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+@contextlib.contextmanager
+def _sqlite_store_lock(uri: str):
+    """Hold an exclusive lock on a local SQLite store's directory: two submits opening a new store at the same
+    moment would both create its tables (MLflow fails one with "duplicate column"). Other stores: no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    directory = Path(uri.removeprefix("sqlite:///")).parent
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
 def _create_experiment(client, name: str) -> str:
     """Create experiment `name`; when another submit created it a moment ago (MLflow refuses a second one with
     the same name), use that one."""
@@ -91,9 +110,10 @@ class RunTracker:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        client = MlflowClient(tracking_uri=uri)
         try:
-            experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+            with _sqlite_store_lock(uri):  # the first use creates the store's tables
+                client = MlflowClient(tracking_uri=uri)
+                experiment = client.get_experiment_by_name(cfg.tracking.experiment)
         except Exception as exc:
             raise TrackingUnavailable(
                 f"tracking: MLflow at {redact(uri)} cannot be reached ({type(exc).__name__}: {redact(str(exc))[:300]}). "
