@@ -30,8 +30,9 @@ PRESET_ALIASES = {
 
 
 def configs_dir() -> Path:
-    """The project's configs/ directory (next to the orchestrator package)."""
-    return Path(__file__).resolve().parents[2] / "configs"
+    """The presets: `orchestrator/presets`, which in a checkout is a link to the project's top-level configs/
+    (the source users read and edit) and in an installed package a copy of it (package data)."""
+    return Path(__file__).resolve().parents[1] / "presets"
 
 
 def available_presets(section: str = "precision") -> list[str]:

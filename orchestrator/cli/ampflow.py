@@ -1,0 +1,36 @@
+"""`ampflow COMMAND ...`: one command on the PATH for every CLI, the same as `python -m orchestrator.COMMAND ...`."""
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = {
+    "submit": "train a job file on Ray Train workers, tracked in one MLflow run",
+    "sweep": "run a job once per precision preset and compare them",
+    "jobs": "status, logs or stop of a job submitted to a cluster's job server",
+    "summary": "bytes by dtype of a model under a precision policy",
+    "export": "export a run's trained model in half precision",
+}
+
+
+def usage() -> str:
+    listed = "\n".join(f"  {name:<8} {what}" for name, what in COMMANDS.items())
+    return (f"usage: ampflow COMMAND [ARGS...]\n\ncommands:\n{listed}\n\n"
+            "`ampflow COMMAND --help` shows a command's arguments.")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command '{command}'.\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"orchestrator.cli.{command}")
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
