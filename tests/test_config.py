@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 from orchestrator.config import flatten, load_job
 from orchestrator.errors import BadInput
 
-from conftest import small_job
+from conftest import REPO, small_job
 
 
 def test_precedence_defaults_preset_job_cli(write_job):
@@ -119,9 +119,12 @@ def test_missing_job_file(tmp_path):
 
 
 def test_every_shipped_job_and_preset_resolves():
-    from orchestrator.config.loader import available_presets, configs_dir
+    from orchestrator.config.loader import available_presets
 
-    for job in sorted((configs_dir().parent / "jobs").glob("*.yaml")):
+    jobs = sorted((REPO / "jobs").glob("*.yaml"))
+    assert jobs
+    for job in jobs:
         load_job(job)
+    assert set(available_presets()) == {path.stem for path in (REPO / "configs" / "precision").glob("*.yaml")}
     for preset in available_presets():
-        assert load_job(configs_dir().parent / "jobs" / "quickstart.yaml", [f"precision.preset={preset}"])
+        assert load_job(REPO / "jobs" / "quickstart.yaml", [f"precision.preset={preset}"])

@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
+from conftest import REPO
 from orchestrator.config import load_job
-from orchestrator.config.loader import configs_dir
 from orchestrator.train.models import build_model
 from orchestrator.precision import broken_promises
 from orchestrator.precision.lint import lint
 from orchestrator.train.training import build_training
 from orchestrator.train.step import train_step
 
-QUICKSTART = configs_dir().parent / "jobs" / "quickstart.yaml"
+QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 
 
 def job(*overrides):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from conftest import small_job
+from conftest import REPO, small_job
 from test_submit_e2e import only_run
 
 pytestmark = pytest.mark.slow
@@ -92,13 +92,12 @@ def test_export_on_digits_keeps_accuracy_within_half_a_point(ray_session, tmp_pa
 
 def test_export_refuses_past_the_allowed_drop_and_logs_no_model(tmp_path, mlflow_uri):
     from orchestrator.config import flatten, load_job, to_yaml
-    from orchestrator.config.loader import configs_dir
     from orchestrator.train.data import build_datasets
     from orchestrator.cli.export import ExportRefused, export
     from orchestrator.train.models import build_model
     from orchestrator.tracking.tracker import RunTracker
 
-    cfg = load_job(configs_dir().parent / "jobs" / "quickstart.yaml", ["precision.preset=O0"])
+    cfg = load_job(REPO / "jobs" / "quickstart.yaml", ["precision.preset=O0"])
     train, _ = build_datasets(cfg.data, 10)
     torch.manual_seed(0)
     model = build_model(cfg.model)

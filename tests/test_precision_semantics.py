@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from conftest import REPO
 from orchestrator.cli.summary import summarize
 from orchestrator.config import load_job
-from orchestrator.config.loader import configs_dir
 from orchestrator.precision.lint import lint
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
@@ -17,7 +17,7 @@ from orchestrator.train.models import build_model
 from orchestrator.train.step import train_step
 from orchestrator.train.training import build_training
 
-QUICKSTART = configs_dir().parent / "jobs" / "quickstart.yaml"
+QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 CPU = torch.device("cpu")
 # What docs/precision.md's table promises per preset: autocast on or off.
 AUTOCAST = {"O0": False, "O1": True, "O2": False, "O3": False, "bf16-mixed": True, "bf16-true": False}
@@ -51,7 +51,7 @@ def test_the_docs_table_and_the_code_agree_property_by_property(preset):
     from orchestrator.precision import dtype_name
     from orchestrator.precision.policy import Policy
 
-    table = (configs_dir().parent / "docs" / "precision.md").read_text()
+    table = (REPO / "docs" / "precision.md").read_text()
     row = next(line for line in table.splitlines() if line.startswith(f"| `{preset}` |"))
     params, autocast, norms, masters, loss_scale, max_scale = [cell.strip() for cell in row.split("|")[2:8]]
     policy = Policy.from_config(job(f"precision.preset={preset}").precision)
@@ -106,7 +106,7 @@ def run_loop(tmp_path, monkeypatch, *overrides):
     module = tmp_path / "finetune_models.py"
     module.write_text("from test_precision_semantics import FineTuned\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(configs_dir().parent / "tests"))
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
     cfg = job("model.name=finetune_models:FineTuned", "scaling.num_workers=1", "run.epochs=2",
               "run.max_steps_per_epoch=3", "run.batch_size=8", *overrides)
     loop = TrainingLoop(cfg, LocalSession(0, 1, CPU, tmp_path / "checkpoints"))
