@@ -63,6 +63,10 @@ class OptimSection:
     implementation: str = "auto"
     """Optimizer kernels: `auto` (torch's choice: foreach on accelerators), `foreach` (one kernel per op over all
     tensors), `fused` (one kernel per step; CUDA and CPU) or `for_loop` (one op per tensor)."""
+    clip_grad_norm: Optional[float] = None
+    """Clip the gradients to this total norm every step (null: no clipping): after the loss scale is taken out,
+    on the fp32 masters where there are some, never on a step the scaler skips. `train/grad_norm` logs the norm
+    before clipping."""
 
 
 @dataclass
@@ -197,6 +201,18 @@ class PerfSection:
 
 
 @dataclass
+class EarlyStoppingSection:
+    metric: str = "eval/loss"
+    """The evaluation metric watched (`eval/loss`, `eval/accuracy`)."""
+    mode: str = "min"
+    """`min`: lower is better; `max`: higher is better."""
+    patience: int = 3
+    """Evaluations in a row without improvement after which training stops."""
+    min_delta: float = 0.0
+    """The least change that counts as an improvement."""
+
+
+@dataclass
 class RunSection:
     name: Optional[str] = None
     """Name of the Ray Train run and the MLflow run; defaults to `<job file stem>-<timestamp>`.
@@ -214,6 +230,12 @@ class RunSection:
     freeze_norm: bool = False
     """Keep every normalisation layer in eval mode for the whole run (running statistics frozen, as when
     fine-tuning), under every preset, resume included."""
+    accumulate_steps: int = 1
+    """Micro-batches of `batch_size` per optimizer step (gradient accumulation): DDP syncs gradients on the last
+    only, the loss scale is updated once per step. Effective batch: batch_size x accumulate_steps x num_workers;
+    steps, `max_steps_per_epoch` and checkpoints count optimizer steps."""
+    early_stopping: Optional[EarlyStoppingSection] = None
+    """Stop when an evaluation metric stops improving (null: train all `epochs`)."""
 
 
 @dataclass

@@ -20,6 +20,8 @@ COMM_HOOKS = ("none", "fp16", "bf16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 # A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+# What evaluation reports (orchestrator.train.step.evaluate): what early stopping can watch.
+EARLY_STOPPING_METRICS = ("eval/loss", "eval/accuracy")
 
 
 def _require(ok: bool, source: str, key: str, message: str) -> None:
@@ -91,6 +93,18 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(faults.at_step is None or faults.at_step >= 1, "faults.at_step", "steps are global optimizer steps counted from 1.")
     r(faults.disk_full_at_step is None or faults.disk_full_at_step >= 1, "faults.disk_full_at_step",
       "steps are global optimizer steps counted from 1.")
+    clip = cfg.optim.clip_grad_norm
+    r(clip is None or (math.isfinite(clip) and clip > 0), "optim.clip_grad_norm",
+      f"must be a finite number > 0, or null for no clipping, got {clip}.")
+    r(cfg.run.accumulate_steps >= 1, "run.accumulate_steps", f"must be >= 1, got {cfg.run.accumulate_steps}.")
+    stopping = cfg.run.early_stopping
+    if stopping is not None:
+        r(stopping.metric in EARLY_STOPPING_METRICS, "run.early_stopping.metric",
+          f"'{stopping.metric}' is not an evaluation metric; use one of {', '.join(EARLY_STOPPING_METRICS)}.")
+        r(stopping.mode in ("min", "max"), "run.early_stopping.mode", f"must be min or max, got '{stopping.mode}'.")
+        r(stopping.patience >= 1, "run.early_stopping.patience", f"must be >= 1 evaluation, got {stopping.patience}.")
+        r(math.isfinite(stopping.min_delta) and stopping.min_delta >= 0, "run.early_stopping.min_delta",
+          f"must be a finite number >= 0, got {stopping.min_delta}.")
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
     r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")

@@ -43,9 +43,11 @@ class MasterWeights:
 
     @torch.no_grad()
     def grads_to_masters(self) -> None:
-        """After backward: move the (all-reduced, still scaled) half gradients to the masters in fp32."""
+        """After backward: move the (all-reduced, still scaled) half gradients to the masters in fp32, adding to
+        what earlier micro-batches of the same step left there (gradient accumulation)."""
         for param, master in self.pairs:
-            master.grad = None if param.grad is None else param.grad.float()
+            if param.grad is not None:
+                master.grad = param.grad.float() if master.grad is None else master.grad.add_(param.grad)
             param.grad = None
 
     @torch.no_grad()

@@ -103,9 +103,11 @@ class Precision:
         if self.masters:
             self.masters.grads_to_masters()
 
-    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int) -> StepOutcome:
-        """Step or skip, the same on every rank; after a step the masters are rounded back into the model."""
-        outcome = self.guard.step(optimizer, loss, step, self.named_tensors)
+    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int,
+             clip_grad_norm: Optional[float] = None) -> StepOutcome:
+        """Step or skip, the same on every rank (gradients unscaled, then clipped to `clip_grad_norm` on a step
+        that is taken); after a step the masters are rounded back into the model."""
+        outcome = self.guard.step(optimizer, loss, step, self.named_tensors, clip_grad_norm)
         if outcome.stepped:
             if self.masters:
                 self.masters.masters_to_params()

@@ -42,6 +42,17 @@ class StepOutcome:
     """Skipped: the loss itself was not finite on some rank; the scale was left alone."""
     collapse: Optional[str] = None
     """Why the loss scale counts as collapsed after this step (a guardrail tripped), if it does."""
+    grad_norm: Optional[torch.Tensor] = None
+    """With clipping: the total gradient norm before clipping, on unscaled gradients (only for a step taken)."""
+
+
+def clip(optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]:
+    """Clip the optimizer's gradients to total norm `max_norm` (None: no clipping); the norm before clipping,
+    left on the device (reading it would wait for the GPU every step)."""
+    if max_norm is None:
+        return None
+    grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(grads, max_norm).detach()
 
 
 @dataclass
@@ -90,13 +101,18 @@ class GuardedScaler:
         return self.scaler.scale(loss)
 
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int,
-             named_tensors: Sequence[tuple[str, torch.Tensor]]) -> StepOutcome:
-        """Step or skip, the same on every rank. `named_tensors`: the optimizer's tensors by parameter name."""
+             named_tensors: Sequence[tuple[str, torch.Tensor]], clip_grad_norm: Optional[float] = None) -> StepOutcome:
+        """Step or skip, the same on every rank. `named_tensors`: the optimizer's tensors by parameter name.
+
+        `clip_grad_norm`: clip the optimizer's gradients (the fp32 masters' where there are masters) to this
+        total norm, as torch.amp's recipe says: after unscaling, and only on a step that is taken.
+        """
         self.counters.epoch_steps += 1
         if not self.agree_each_step:
+            grad_norm = clip(optimizer, clip_grad_norm)
             optimizer.step()
             self._clean_step()
-            return StepOutcome(stepped=True)
+            return StepOutcome(stepped=True, grad_norm=grad_norm)
 
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
@@ -132,10 +148,11 @@ class GuardedScaler:
             self.counters.clean_streak = 0
             return StepOutcome(stepped=False, overflow=True, collapse=self._collapse_reason())
 
+        grad_norm = clip(optimizer, clip_grad_norm)  # unscaled above, and finite on every rank
         optimizer.step()
         self.scaler.update()
         self._clean_step()
-        return StepOutcome(stepped=True)
+        return StepOutcome(stepped=True, grad_norm=grad_norm)
 
     def _agree(self, optimizer, loss: torch.Tensor) -> tuple[list[float], list[float]]:
         """Every rank's (found_inf, loss_not_finite), in one all-reduce and one host read."""

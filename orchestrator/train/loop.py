@@ -1,21 +1,23 @@
 """The training loop of one rank, top to bottom, without Ray.
 
 Build the data, restore the newest checkpoint every rank can read, build the model under its
-precision, then for each epoch: steps (`train_step` + `after_step`), a report every
-`tracking.log_every_n_steps` steps, a mid-epoch checkpoint every `checkpoint.every_n_steps`, and at
-the epoch's end evaluation, memory peaks and a checkpoint. A collapsed loss scale is acted on as
-`precision.scaler.on_collapse` says.
+precision, then for each epoch: steps (`accumulated_step` + `after_step`, each over
+`run.accumulate_steps` batches), a report every `tracking.log_every_n_steps` steps, a mid-epoch
+checkpoint every `checkpoint.every_n_steps`, and at the epoch's end evaluation, memory peaks and a
+checkpoint; early stopping ends the run after an evaluation that did not improve for its patience.
+A collapsed loss scale is acted on as `precision.scaler.on_collapse` says.
 
 What belongs to the runtime is behind `Session`: where reports and checkpoints go, which checkpoints
 exist to resume from, where faults leave their markers. Ray Train's worker (`orchestrator.run.worker`)
 is one session; `orchestrator.train.local` runs the same loop in plain processes (tests, benchmarks).
 """
 
+import itertools
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,9 +32,10 @@ from orchestrator.train.faults import Faults
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import (
-    OVERFLOW_LOG, Window, after_step, all_reduce, close_audit, evaluate, memory_peaks, read_window,
-    recover_from_collapse, scale_telemetry, train_step,
+    OVERFLOW_LOG, Window, accumulated_step, after_step, all_reduce, close_audit, evaluate, memory_peaks,
+    read_window, recover_from_collapse, scale_telemetry,
 )
+from orchestrator.train.stopping import EarlyStopping
 from orchestrator.train.training import Training, Wrap, build_training
 
 
@@ -61,6 +64,14 @@ class Session(Protocol):
 MAX_UNLOGGED = 1000
 """Most reports a rank keeps for a resumed run to send again (a driver cut off from MLflow for that long loses
 the oldest of them if it dies too)."""
+
+
+def in_groups(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Consecutive groups of `size` batches (the micro-batches of one optimizer step); an incomplete last group
+    is dropped, as `drop_last` drops a short batch."""
+    iterator = iter(batches)
+    while len(group := list(itertools.islice(iterator, size))) == size:
+        yield group
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -102,9 +113,11 @@ class TrainingLoop:
         faults = Faults(cfg.faults, rank, self.session.fault_marker_dir())
         on_collapse, every_n_steps = cfg.precision.scaler.on_collapse, cfg.checkpoint.every_n_steps
 
-        # Data: every rank sees its own shard of the training set and of the eval set.
+        # Data: every rank sees its own shard of the training set and of the eval set; an optimizer step takes
+        # `run.accumulate_steps` batches of it.
         train_loader, eval_loader, position = build_rank_loaders(cfg, rank, self.world_size, device)
-        self.steps_per_epoch = len(train_loader)
+        accumulate = cfg.run.accumulate_steps
+        self.steps_per_epoch = len(train_loader) // accumulate
         if cfg.run.max_steps_per_epoch is not None:
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.run.max_steps_per_epoch)
         self.total_steps = self.steps_per_epoch * cfg.run.epochs
@@ -117,21 +130,24 @@ class TrainingLoop:
         self.training = self.build(state)
         self.window = Window(device)
         start_epoch, batches_done = self.resume_position(state, warnings)
+        stopping = cfg.run.early_stopping
+        self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
         # What `on_collapse: rollback` returns to: the last checkpoint (or the start), kept on the CPU.
         self.last_good = self.training.capture().detached() if on_collapse == "rollback" else None
 
         for epoch in range(start_epoch, cfg.run.epochs):
             first = batches_done if epoch == start_epoch else 0
-            position.set_position(epoch, first, cfg.run.batch_size)
-            for step_in_epoch, (inputs, targets) in enumerate(train_loader, start=first):
+            position.set_position(epoch, first * accumulate, cfg.run.batch_size)
+            for step_in_epoch, micro_batches in enumerate(in_groups(train_loader, accumulate), start=first):
                 if step_in_epoch >= self.steps_per_epoch:
                     break
                 self.global_step += 1
                 faults.kill(self.global_step)
-                loss, outcome = train_step(self.training, inputs, targets, device, self.global_step, faults)
+                loss, outcome = accumulated_step(self.training, micro_batches, device, self.global_step, faults)
                 if self.global_step == 1 and self.launched_at is not None:  # a fresh run's first step
                     self.pending["perf/time_to_first_step_s"] = time.time() - self.launched_at
-                after_step(self.training, loss, outcome, targets.numel(), self.window, self.pending)
+                samples = sum(targets.shape[0] for _, targets in micro_batches)
+                after_step(self.training, loss, outcome, samples, self.window, self.pending)
                 if outcome.collapse is not None:
                     self.training, tags = recover_from_collapse(self.training, outcome, self.global_step, on_collapse,
                                                                 self.last_good, self.build)
@@ -151,14 +167,20 @@ class TrainingLoop:
             metrics = {**self.progress(epoch), **self.training.precision.guard.end_epoch()}
             if self.window.samples:
                 metrics.update(read_window(self.training, self.window, self.global_step))
+            stop = False
             if last_epoch or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
                 metrics.update(evaluate(self.training, eval_loader, device))
                 close_audit(self.training, metrics)  # a policy changed on the epoch's last step shows in eval
+                stop = not last_epoch and self.stopping is not None and self.stopping.should_stop(metrics)
             metrics.update(memory_peaks(rank, self.world_size, device))
             metrics.update({"memory/params_bytes": float(self.training.prepared.params_bytes),
                             **self.training.precision.ledger.metrics()})
-            checkpoint_due = last_epoch or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
+            if stop:
+                metrics["tags"] = {**metrics.get("tags", {}), "early_stopped_at_epoch": str(epoch + 1)}
+            checkpoint_due = last_epoch or stop or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
             self.report(metrics, (epoch, self.steps_per_epoch) if checkpoint_due else None)
+            if stop:  # the metric stopped improving: the run ends here, finished
+                break
         return self.training
 
     # -- building and resuming ----------------------------------------------------------------------
@@ -200,7 +222,8 @@ class TrainingLoop:
     def progress(self, epoch: int) -> dict[str, Any]:
         """Where the run is, the loss-scale telemetry, and whatever is pending (taken now)."""
         metrics = {"epoch": epoch + 1, "epochs": self.cfg.run.epochs, "step": self.global_step,
-                   "total_steps": self.total_steps, **scale_telemetry(self.training), **self.pending}
+                   "total_steps": self.total_steps, "optim/lr": float(self.training.optimizer.param_groups[0]["lr"]),
+                   **scale_telemetry(self.training), **self.pending}
         self.pending = {}
         return metrics
 
@@ -223,7 +246,8 @@ class TrainingLoop:
                 state = self.training.capture().at(
                     epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
                     precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id,
-                    report=scalars(metrics), rank=own, report_seq=self.seq)
+                    report=scalars(metrics), rank=own, report_seq=self.seq,
+                    early_stopping=self.stopping.state() if self.stopping is not None else None)
             if self.last_good is not None:
                 self.last_good = state.detached()
             shared = state.to_files()[0] if self.rank == 0 else None

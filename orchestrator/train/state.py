@@ -61,6 +61,8 @@ class TrainState:
     """The metrics reported with the checkpoint (sent again on resume; logged once)."""
     report_seq: int = 0
     """How many reports the run had made when the checkpoint was taken (reports are numbered from 1)."""
+    early_stopping: dict[str, Any] = field(default_factory=dict)
+    """Where `run.early_stopping` stood: the best value so far, evaluations without improvement since."""
     rank: Optional[RankState] = None
     """This rank's own part; None for a rank the checkpoint has none of (the world grew)."""
 
@@ -90,10 +92,11 @@ class TrainState:
 
     def at(self, *, epoch: int, batches_done: int, global_step: int, precision: dict[str, Any],
            run_id: Optional[str], report: dict[str, Any], rank: Optional[RankState],
-           report_seq: int = 0) -> "TrainState":
+           report_seq: int = 0, early_stopping: Optional[dict[str, Any]] = None) -> "TrainState":
         """This state placed in the run: where it was taken, and what was reported with it."""
         return replace(self, epoch=epoch, batches_done=batches_done, global_step=global_step, precision=precision,
-                       run_id=run_id, report=report, rank=rank, report_seq=report_seq)
+                       run_id=run_id, report=report, rank=rank, report_seq=report_seq,
+                       early_stopping=early_stopping or {})
 
     def detached(self) -> "TrainState":
         """A copy with every tensor cloned to the CPU (a snapshot that training cannot change)."""

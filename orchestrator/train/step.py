@@ -5,8 +5,9 @@ bookkeeping), `evaluate` (loss and accuracy reduced over all ranks), the loss/th
 memory peaks and what a collapsed loss scale does. `orchestrator.train.loop` drives them.
 """
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,8 @@ class Window:
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.samples = 0
+        self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.grad_norm_steps = 0
         self.started = time.perf_counter()
 
     def exclude_since(self, since: float) -> None:
@@ -64,37 +67,64 @@ class Window:
         self.loss_sum += loss.detach().double() * batch_size
         self.samples += batch_size
 
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """A taken step's gradient norm before clipping (`optim.clip_grad_norm`)."""
+        self.grad_norm_sum += norm.double()
+        self.grad_norm_steps += 1
+
     def state(self) -> dict[str, float]:
-        """This rank's unreported loss sum and sample count (for a checkpoint)."""
-        return {"loss_sum": self.loss_sum.item(), "samples": self.samples}
+        """This rank's unreported loss sum and sample count, and gradient norms (for a checkpoint)."""
+        return {"loss_sum": self.loss_sum.item(), "samples": self.samples,
+                "grad_norm_sum": self.grad_norm_sum.item(), "grad_norm_steps": self.grad_norm_steps}
 
     def load_state(self, state: dict[str, float]) -> None:
         self.loss_sum.fill_(state["loss_sum"])
         self.samples = int(state["samples"])
+        self.grad_norm_sum.fill_(state.get("grad_norm_sum", 0.0))  # absent from checkpoints of older versions
+        self.grad_norm_steps = int(state.get("grad_norm_steps", 0))
 
     def read(self) -> dict[str, float]:
-        """Global mean loss and samples/s over all ranks (one all-reduce), then reset."""
+        """Global mean loss, samples/s and (with clipping) mean gradient norm over all ranks (one all-reduce),
+        then reset."""
         elapsed = time.perf_counter() - self.started
-        loss_sum, samples = all_reduce([self.loss_sum.item(), float(self.samples)], self.device)
+        loss_sum, samples, norm_sum, norm_steps = all_reduce(
+            [self.loss_sum.item(), float(self.samples), self.grad_norm_sum.item(), float(self.grad_norm_steps)],
+            self.device)
         metrics = {"train/loss": loss_sum / max(samples, 1.0), "perf/samples_per_s": samples / max(elapsed, 1e-9)}
+        if norm_steps:
+            metrics["train/grad_norm"] = norm_sum / norm_steps
         self.reset()
         return metrics
 
 
 def train_step(training: Training, inputs, targets, device: torch.device, step: int,
                faults: "Optional[Faults]" = None) -> tuple[torch.Tensor, StepOutcome]:
-    """One optimizer step: forward, backward, step; the same decision (step or skip) on every rank."""
+    """One optimizer step on one batch: forward, backward, step; the same decision (step or skip) on every rank."""
+    return accumulated_step(training, [(inputs, targets)], device, step, faults)
+
+
+def accumulated_step(training: Training, micro_batches: Sequence[tuple[Any, Any]], device: torch.device, step: int,
+                     faults: "Optional[Faults]" = None) -> tuple[torch.Tensor, StepOutcome]:
+    """One optimizer step over `micro_batches` (`run.accumulate_steps` of them): forward and backward of each, the
+    loss divided by their number, DDP's gradient all-reduce only on the last; then one step (unscale, clip, step
+    or skip) and one loss-scale update. Returns the micro-batches' mean loss."""
     model, precision = training.prepared.model, training.precision
-    inputs, targets = training.prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
-    with precision.forward():
-        loss = F.cross_entropy(model(inputs).float(), targets)
-    if faults is not None:
-        loss = faults.loss(step, loss)
     training.optimizer.zero_grad(set_to_none=True)
-    precision.backward(loss)
+    losses = []
+    for index, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = training.prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with precision.forward():
+                loss = F.cross_entropy(model(inputs).float(), targets)
+            if faults is not None:
+                loss = faults.loss(step, loss)
+            precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
+        losses.append(loss.detach())
     if faults is not None:
         faults.gradients(step, precision.named_tensors)
-    return loss, precision.step(training.optimizer, loss, step)
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    return loss, precision.step(training.optimizer, loss, step, training.clip_grad_norm)
 
 
 def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, batch_size: int, window: "Window",
@@ -110,6 +140,8 @@ def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, bat
         training.scheduler.step()
     if not outcome.nan_loss:
         window.add(loss, batch_size)
+    if outcome.grad_norm is not None:
+        window.add_grad_norm(outcome.grad_norm)
 
 
 def read_window(training: Training, window: Window, step: int) -> dict[str, float]:

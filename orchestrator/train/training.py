@@ -104,6 +104,8 @@ class Training:
     precision: Precision
     promoted: list[str] = field(default_factory=list)
     """Layers moved to fp32 at run time (`on_collapse: promote`), part of the effective policy."""
+    clip_grad_norm: Optional[float] = None
+    """`optim.clip_grad_norm`: the total gradient norm each step is clipped to (None: no clipping)."""
 
     def capture(self) -> TrainState:
         """The train state of the model, optimizer, schedule and loss scaler (not yet placed in the run).
@@ -142,4 +144,4 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
         if scheduler is not None and state.scheduler:
             scheduler.load_state_dict(state.scheduler)
         precision.load_state_dict(state.scaler, state.counters)
-    return Training(prepared, optimizer, scheduler, precision, promoted)
+    return Training(prepared, optimizer, scheduler, precision, promoted, cfg.optim.clip_grad_norm)
