@@ -16,7 +16,7 @@ def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(write_job, tm
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     plan = driver.plan_run(load_job(job), job, "10.255.255.1:6379", RunChoice("unreachable"))
 
-    def no_cluster(address, module_source):
+    def no_cluster(address, module_sources):
         raise ConnectionError(f"could not connect to {address}")
 
     monkeypatch.setattr(driver, "init_ray", no_cluster)
@@ -82,7 +82,7 @@ def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, t
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(storage)}))
     plan = driver.plan_run(load_job(job), job, None, RunChoice("stages"))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_source: (False, None))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
     monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_raise("relay") if stage == "relay" else _FakeRelay))
     monkeypatch.setattr(launch, "build_trainer",
@@ -119,7 +119,7 @@ def test_a_run_that_ends_well_with_fakes_is_finished(write_job, tmp_path, monkey
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     plan = driver.plan_run(load_job(job), job, None, RunChoice("fine"))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_source: (False, None))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
     monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
     monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: _FakeTrainer(False))
@@ -139,7 +139,7 @@ def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resu
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     plan = driver.plan_run(load_job(job), job, None, RunChoice("stopped"))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_source: (False, None))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
     monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
 

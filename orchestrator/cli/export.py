@@ -89,7 +89,7 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
             f"export to {result.dtype} refused: eval accuracy {result.accuracy:.4f} vs fp32 "
             f"{result.fp32_accuracy:.4f}, a drop of {drop:.4f} > export.max_accuracy_drop={max_drop}. "
             "Keep more layers in fp32 with precision.rules, export to bfloat16, or raise the limit.")
-    example = np.zeros((2, 3, 32, 32), dtype=np.float32)  # batch 2: export keeps the batch dim dynamic
+    example = np.zeros((2, *eval_set[0][0].shape), dtype=np.float32)  # batch 2: export keeps the batch dim dynamic
     tracker.log_model(exported.cpu(), example, name=f"model_{result.dtype}")
     tracker.set_tag("export_status", "logged")
     return result

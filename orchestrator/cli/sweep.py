@@ -222,7 +222,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     try:
         # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
         # here as execute() would, so an import-path model is shipped as a job-level py_module.
-        started_ray, _ = init_ray(plan.address, models.module_source(base.model.name))
+        started_ray, _ = init_ray(plan.address, models.module_sources(base))
         previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
         _ctrl_c_interrupts()

@@ -24,7 +24,8 @@ class ModelSection:
 @dataclass
 class DataSection:
     name: str = MISSING
-    """Dataset: `cifar10` (torchvision), `digits` (scikit-learn, offline) or `synthetic`."""
+    """Dataset: `cifar10` (torchvision), `digits` (scikit-learn, offline), `synthetic`, or an import path
+    `package.module:factory` to your own function returning (train dataset, eval dataset)."""
     root: str = "data"
     """Where datasets are stored or downloaded to; relative paths are taken from submit's directory."""
     download: bool = True
@@ -35,9 +36,23 @@ class DataSection:
     """DataLoader worker processes per Ray worker (0 loads in the training process)."""
     synthetic_samples: int = 4096
     """Number of random training samples for `synthetic` (throughput runs only)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for an import-path dataset factory."""
     loader: str = "dataloader"
     """`dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
     worker's device, each rank taking its shard, augmentation on the device, no loader processes."""
+
+
+@dataclass
+class TaskSection:
+    loss: str = "cross_entropy"
+    """`cross_entropy` (classification), `mse`, `bce_with_logits`, or an import path `package.module:fn` to your
+    own `fn(outputs, targets) -> loss` (the batch mean)."""
+    label_smoothing: float = 0.0
+    """Label smoothing of `cross_entropy` (0: none)."""
+    metrics: List[str] = field(default_factory=lambda: ["accuracy"])
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, or import paths to your own
+    `fn(outputs, targets) -> {name: (sum, count)}`, summed over batches and ranks."""
 
 
 @dataclass
@@ -278,6 +293,8 @@ class JobConfig:
     """What to train."""
     data: DataSection = field(default_factory=DataSection)
     """What to train on."""
+    task: TaskSection = field(default_factory=TaskSection)
+    """The loss trained on and the metrics evaluated."""
     optim: OptimSection = field(default_factory=OptimSection)
     """Optimizer and learning-rate schedule."""
     precision: PrecisionSection = field(default_factory=PrecisionSection)

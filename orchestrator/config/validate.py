@@ -5,7 +5,7 @@ import re
 
 from omegaconf import DictConfig
 
-from orchestrator.train import data, models
+from orchestrator.train import data, models, task
 from orchestrator.errors import BadInput
 from orchestrator.precision.policy import Policy
 
@@ -20,8 +20,6 @@ COMM_HOOKS = ("none", "fp16", "bf16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 # A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-# What evaluation reports (orchestrator.train.step.evaluate): what early stopping can watch.
-EARLY_STOPPING_METRICS = ("eval/loss", "eval/accuracy")
 
 
 def _require(ok: bool, source: str, key: str, message: str) -> None:
@@ -47,6 +45,7 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(steps is None or steps >= 1, "run.max_steps_per_epoch", f"must be >= 1 or null, got {steps}.")
 
     lr = cfg.optim.lr
+    r(0 <= cfg.task.label_smoothing < 1, "task.label_smoothing", f"must be in [0, 1), got {cfg.task.label_smoothing}.")
     r(math.isfinite(lr) and lr >= 0, "optim.lr", f"must be a finite number >= 0, got {lr}.")
     r(cfg.optim.name in OPTIMIZERS, "optim.name", f"unknown optimizer '{cfg.optim.name}'. Use one of {', '.join(OPTIMIZERS)}.")
     r(cfg.optim.schedule in SCHEDULES, "optim.schedule", f"unknown schedule '{cfg.optim.schedule}'. Use one of {', '.join(SCHEDULES)}.")
@@ -68,6 +67,7 @@ def validate(cfg: DictConfig, source: str) -> None:
         Policy.from_config(cfg.precision)
         data.check_name(cfg.data.name)
         models.resolve_factory(cfg.model.name)
+        task.check(cfg.task)
     except BadInput as exc:
         raise BadInput(f"{source}: {exc}") from None
 
@@ -99,8 +99,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.run.accumulate_steps >= 1, "run.accumulate_steps", f"must be >= 1, got {cfg.run.accumulate_steps}.")
     stopping = cfg.run.early_stopping
     if stopping is not None:
-        r(stopping.metric in EARLY_STOPPING_METRICS, "run.early_stopping.metric",
-          f"'{stopping.metric}' is not an evaluation metric; use one of {', '.join(EARLY_STOPPING_METRICS)}.")
+        r(stopping.metric.startswith("eval/"), "run.early_stopping.metric",
+          f"'{stopping.metric}' is not an evaluation metric: use eval/loss or eval/<one of task.metrics>.")
         r(stopping.mode in ("min", "max"), "run.early_stopping.mode", f"must be min or max, got '{stopping.mode}'.")
         r(stopping.patience >= 1, "run.early_stopping.patience", f"must be >= 1 evaluation, got {stopping.patience}.")
         r(math.isfinite(stopping.min_delta) and stopping.min_delta >= 0, "run.early_stopping.min_delta",

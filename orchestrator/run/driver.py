@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 from omegaconf import DictConfig
@@ -93,21 +93,23 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
     return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id)
 
 
-def init_ray(address: Optional[str], module_source: Optional[Path]) -> tuple[bool, Optional[dict]]:
+def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tuple[bool, Optional[dict]]:
     """Start (or connect to) Ray with worker logs kept off the console.
 
-    Returns (whether we started it, the runtime env the workers need). A model module from the
-    submit directory is shipped to every node as a job-level `py_modules` entry; Ray only uploads
-    local code at the job level, so when the caller already initialised Ray (a notebook, the
-    tests) we can only point same-machine workers at the directory through PYTHONPATH.
+    Returns (whether we started it, the runtime env the workers need). The user's modules from the
+    submit directory (models, datasets, losses, metrics) are shipped to every node as job-level
+    `py_modules`; Ray only uploads local code at the job level, so when the caller already
+    initialised Ray (a notebook, the tests) we can only point same-machine workers at their
+    directories through PYTHONPATH.
     """
     import ray
 
     if ray.is_initialized():
-        if module_source is None:
+        if not module_sources:
             return False, None
-        return False, {"env_vars": {"PYTHONPATH": str(module_source.parent)}}
-    runtime_env = {"py_modules": [str(module_source)]} if module_source else None
+        directories = dict.fromkeys(str(source.parent) for source in module_sources)
+        return False, {"env_vars": {"PYTHONPATH": os.pathsep.join(directories)}}
+    runtime_env = {"py_modules": [str(source) for source in module_sources]} if module_sources else None
     # Ray Train's controller takes a worker's report only once per health check (2 s by default) and a
     # worker holds one untaken report at most: with reports more frequent than that, training waits
     # (measured in bench.orchestration). A local Ray we start inherits this environment; on an existing
@@ -187,9 +189,9 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         print(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' at "
               f"{redact(plan.uri)}", file=sys.stderr)
     launched_at = time.time()  # launch-to-first-step counts Ray's start too
-    module_source = models.module_source(cfg.model.name)
+    module_sources = models.module_sources(cfg)
     try:
-        started_ray, worker_runtime_env = init_ray(plan.address, module_source)
+        started_ray, worker_runtime_env = init_ray(plan.address, module_sources)
     except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
         end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
         print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
@@ -225,7 +227,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
             records.write_record(storage, plan.run_name, run_id=tracker.run_id)
         if failure is not None:
             return _failed(plan, end, failure)
-        return _finished(plan, end, result, module_source)
+        return _finished(plan, end, result, module_sources)
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
@@ -273,7 +275,7 @@ def _failed(plan: RunPlan, end: RunEnd, failure) -> int:
     return EXIT_FAILED
 
 
-def _finished(plan: RunPlan, end: RunEnd, result, module_source: Optional[Path]) -> int:
+def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]) -> int:
     from orchestrator.tracking.tracker import view_hint
 
     cfg, tracker = plan.cfg, end.tracker
@@ -284,9 +286,12 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_source: Optional[Path])
         return EXIT_OK
     if cfg.tracking.log_model and result.checkpoint is not None:
         try:
-            model = _trained_model(cfg, result.checkpoint)
-            example = np.zeros((2, 3, 32, 32), dtype=np.float32)  # 3x32x32 everywhere; batch 2 keeps export batch-dynamic
-            model_format = tracker.log_model(model, example, code_paths=[str(module_source)] if module_source else None)
+            model, sample_shape = _trained_model(cfg, result.checkpoint)
+            if not sample_shape:
+                raise ValueError("its checkpoint does not record the input shape (written by an older version)")
+            example = np.zeros((2, *sample_shape), dtype=np.float32)  # batch 2 keeps the export's batch dynamic
+            model_format = tracker.log_model(model, example,
+                                             code_paths=[str(source) for source in module_sources] or None)
             tracker.set_tag("model_format", model_format)
         except Exception as exc:  # the trained run stands even if the model cannot be logged
             print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
@@ -298,8 +303,8 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_source: Optional[Path])
 
     final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
     print(f"\nRun finished: {tracker.run_id}")
-    for key in ("eval/accuracy", "eval/loss", "train/loss", "amp/loss_scale", "amp/skipped_steps",
-                "perf/samples_per_s"):
+    evaluated = sorted(key for key in final if key.startswith("eval/"))  # eval/loss and every task.metrics
+    for key in (*evaluated, "train/loss", "amp/loss_scale", "amp/skipped_steps", "perf/samples_per_s"):
         if key in final:
             print(f"  {key:<20} {final[key]:.6g}")
     print(f"Checkpoints: {result.path}")
@@ -307,19 +312,22 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_source: Optional[Path])
     return exit_code
 
 
-def _trained_model(cfg: DictConfig, checkpoint):
-    from orchestrator.train.checkpoint import load_model_weights
+def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
+    """The job's model with the checkpoint's fp32 weights, in eval mode (what is logged and exported predicts:
+    batch statistics never leak into a prediction), and one input's shape as trained on."""
+    from orchestrator.train.checkpoint import load_final_state
 
+    state = load_final_state(checkpoint)
     model = models.build_model(cfg.model)
-    model.load_state_dict(load_model_weights(checkpoint))
-    return model.eval()  # what is logged and exported predicts: batch statistics never leak into a prediction
+    model.load_state_dict(state.model)
+    return model.eval(), state.sample_shape
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
     from orchestrator.cli.export import ExportRefused, export
 
     try:
-        result = export(_trained_model(cfg, checkpoint), cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
+        result = export(_trained_model(cfg, checkpoint)[0], cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
     except ExportRefused as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -203,8 +203,9 @@ def load_newest_valid(candidates: Sequence[Candidate], rank: int,
                             + " ".join(warnings) + " Start the job afresh (without --resume) or restore the files.")
 
 
-def load_model_weights(checkpoint) -> dict[str, torch.Tensor]:
-    """The fp32 model weights of a (verified) checkpoint, e.g. the run's final one (anything with
-    `as_directory()`, as Ray Train's Checkpoint)."""
+def load_final_state(checkpoint) -> TrainState:
+    """The (verified) train state of a checkpoint, e.g. the run's final one (anything with `as_directory()`, as
+    Ray Train's Checkpoint): its fp32 model weights, the input shape it was trained on, ..."""
     with checkpoint.as_directory() as directory:
-        return read_checkpoint(Path(directory), rank=0).model
+        return read_checkpoint(Path(directory), rank=0)
+

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.errors import BadInput, DataUnavailable
 
 NAMES = ("cifar10", "digits", "synthetic")
@@ -29,8 +30,24 @@ DIGITS_TEST_FRACTION = 0.2
 
 
 def check_name(name: str) -> None:
-    if name not in NAMES:
-        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(NAMES)}.")
+    """A built-in dataset, or an import path to the user's factory (resolved, not called)."""
+    if is_import_path(name):
+        resolve_import_path(name, "data.name", kind="dataset factory")
+    elif name not in NAMES:
+        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(NAMES)}, or an import path "
+                       "'mypackage.data:make_datasets' to a function returning (train dataset, eval dataset).")
+
+
+def _user_datasets(data_cfg) -> tuple[Dataset, Dataset]:
+    """`data.name: package.module:factory`: `factory(**data.kwargs)` returns (train, eval), map-style Datasets
+    yielding (input, target) pairs."""
+    factory = resolve_import_path(data_cfg.name, "data.name", kind="dataset factory")
+    made = factory(**data_cfg.kwargs)
+    if not (isinstance(made, (tuple, list)) and len(made) == 2
+            and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") for d in made)):
+        raise BadInput(f"data.name: {data_cfg.name} must return (train dataset, eval dataset), two map-style "
+                       f"datasets (with __getitem__ and __len__); it returned {type(made).__name__}.")
+    return made[0], made[1]
 
 
 def _cifar_files_present(root: Path) -> bool:
@@ -111,6 +128,8 @@ def _synthetic(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
 
 def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
     check_name(data_cfg.name)
+    if is_import_path(data_cfg.name):
+        return _user_datasets(data_cfg)
     if data_cfg.name == "cifar10":
         return _cifar10(data_cfg)
     if data_cfg.name == "digits":

@@ -101,6 +101,8 @@ class TrainingLoop:
         self.pending: dict[str, Any] = {}
         """Metrics, tables and tags for the next report."""
         self.global_step = 0
+        self.sample_shape: list[int] = []
+        """One training input's shape (from the first batch), kept in checkpoints for the logged model."""
         self.seq = 0
         """Reports made so far in the run (every rank counts them alike; resumed from the checkpoint)."""
         self.unlogged: list[dict[str, Any]] = []
@@ -147,6 +149,7 @@ class TrainingLoop:
                 if self.global_step == 1 and self.launched_at is not None:  # a fresh run's first step
                     self.pending["perf/time_to_first_step_s"] = time.time() - self.launched_at
                 samples = sum(targets.shape[0] for _, targets in micro_batches)
+                self.sample_shape = self.sample_shape or list(micro_batches[0][0].shape[1:])
                 after_step(self.training, loss, outcome, samples, self.window, self.pending)
                 if outcome.collapse is not None:
                     self.training, tags = recover_from_collapse(self.training, outcome, self.global_step, on_collapse,
@@ -206,7 +209,7 @@ class TrainingLoop:
         if state.precision != OmegaConf.to_container(self.cfg.precision):
             warnings.append("the job's precision section differs from the one the checkpoint was trained with.")
         # The reports the driver may not have logged before it died, in order, then the checkpoint's own.
-        self.seq = state.report_seq
+        self.seq, self.sample_shape = state.report_seq, list(state.sample_shape)
         self.unlogged = list(state.rank.unlogged) if state.rank is not None else []
         overflow = [record for kept in self.unlogged for record in kept.get(OVERFLOW_LOG, [])]
         resent = {OVERFLOW_LOG: overflow} if overflow else {}
@@ -247,7 +250,8 @@ class TrainingLoop:
                     epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
                     precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id,
                     report=scalars(metrics), rank=own, report_seq=self.seq,
-                    early_stopping=self.stopping.state() if self.stopping is not None else None)
+                    early_stopping=self.stopping.state() if self.stopping is not None else None,
+                    sample_shape=self.sample_shape)
             if self.last_good is not None:
                 self.last_good = state.detached()
             shared = state.to_files()[0] if self.rank == 0 else None

@@ -112,15 +112,23 @@ def build_model(model_cfg) -> nn.Module:
     return model
 
 
-def module_source(name: str) -> Path | None:
-    """The file or package directory to ship to workers for an import-path model.
+def module_source(name: str, where: str = "model.name") -> Path | None:
+    """The file or package directory to ship to workers for an import path (`name`).
 
-    None for registry models and for modules installed in the environment (workers have those).
+    None for registry names and for modules installed in the environment (workers have those).
     """
     if not is_import_path(name):
         return None
     top = name.partition(":")[0].split(".")[0]
-    module = import_module_from_cwd(top, "model.name")
+    module = import_module_from_cwd(top, where)
     file = Path(module.__file__ or "").resolve()
     source = file.parent if file.name == "__init__.py" else file
     return source if source.is_relative_to(Path.cwd().resolve()) else None
+
+
+def module_sources(cfg) -> list[Path]:
+    """Every module of the user's own code a job names by import path (model, data, loss, metrics), once."""
+    named = [(cfg.model.name, "model.name"), (cfg.data.name, "data.name"), (cfg.task.loss, "task.loss"),
+             *((metric, "task.metrics") for metric in cfg.task.metrics)]
+    sources = (module_source(name, where) for name, where in named)
+    return list(dict.fromkeys(source for source in sources if source is not None))

@@ -8,7 +8,7 @@ strings, so both load with `torch.load(weights_only=True)`.
 """
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -63,6 +63,8 @@ class TrainState:
     """How many reports the run had made when the checkpoint was taken (reports are numbered from 1)."""
     early_stopping: dict[str, Any] = field(default_factory=dict)
     """Where `run.early_stopping` stood: the best value so far, evaluations without improvement since."""
+    sample_shape: list[int] = field(default_factory=list)
+    """One training input's shape (no batch dimension), e.g. [1, 28, 28]: the logged model's example input."""
     rank: Optional[RankState] = None
     """This rank's own part; None for a rank the checkpoint has none of (the world grew)."""
 
@@ -92,11 +94,12 @@ class TrainState:
 
     def at(self, *, epoch: int, batches_done: int, global_step: int, precision: dict[str, Any],
            run_id: Optional[str], report: dict[str, Any], rank: Optional[RankState],
-           report_seq: int = 0, early_stopping: Optional[dict[str, Any]] = None) -> "TrainState":
+           report_seq: int = 0, early_stopping: Optional[dict[str, Any]] = None,
+           sample_shape: Sequence[int] = ()) -> "TrainState":
         """This state placed in the run: where it was taken, and what was reported with it."""
         return replace(self, epoch=epoch, batches_done=batches_done, global_step=global_step, precision=precision,
                        run_id=run_id, report=report, rank=rank, report_seq=report_seq,
-                       early_stopping=early_stopping or {})
+                       early_stopping=early_stopping or {}, sample_shape=list(sample_shape))
 
     def detached(self) -> "TrainState":
         """A copy with every tensor cloned to the CPU (a snapshot that training cannot change)."""

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from orchestrator.precision import LossScaleCollapsed, StepOutcome
 from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
@@ -116,7 +115,7 @@ def accumulated_step(training: Training, micro_batches: Sequence[tuple[Any, Any]
         last = index == len(micro_batches) - 1
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             with precision.forward():
-                loss = F.cross_entropy(model(inputs).float(), targets)
+                loss = training.loss(model(inputs), targets)
             if faults is not None:
                 loss = faults.loss(step, loss)
             precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
@@ -159,22 +158,32 @@ def scale_telemetry(training: Training) -> dict[str, Any]:
 
 @torch.no_grad()
 def evaluate(training: Training, loader, device: torch.device) -> dict[str, float]:
-    """Loss and accuracy over the whole eval set: each rank scores its shard, then sums are reduced."""
+    """`eval/loss` and every `task.metrics` over the whole eval set: each rank scores its shard, then the sums
+    are reduced over all ranks (one all-reduce), so the figures are the whole set's, not rank 0's."""
     prepared, precision = training.prepared, training.precision
     model = prepared.model
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
+    sums: dict[str, list[Any]] = {}  # name -> [sum, count]
     count = 0
     with eval_mode(model):  # afterwards every module is back in its own mode (a frozen BatchNorm stays frozen)
         for inputs, targets in loader:
             inputs, targets = prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
             with precision.forward():
-                logits = model(inputs)
-            loss_sum += F.cross_entropy(logits.float(), targets, reduction="sum").double()
-            correct += (logits.argmax(dim=1) == targets).sum()
-            count += targets.numel()
-    total_loss, total_correct, total = all_reduce([loss_sum.item(), float(correct.item()), float(count)], device)
-    return {"eval/loss": total_loss / max(total, 1.0), "eval/accuracy": total_correct / max(total, 1.0)}
+                outputs = model(inputs)
+            loss_sum += training.loss(outputs, targets).double() * targets.shape[0]
+            count += targets.shape[0]
+            for metric in training.metrics:
+                for name, (total, items) in metric(outputs.float(), targets).items():
+                    entry = sums.setdefault(name, [0.0, 0.0])
+                    entry[0], entry[1] = entry[0] + total, entry[1] + items
+    names = sorted(sums)
+    local = [loss_sum.item(), float(count)] + [float(sums[n][i]) for n in names for i in (0, 1)]
+    reduced = all_reduce(local, device)
+    metrics = {"eval/loss": reduced[0] / max(reduced[1], 1.0)}
+    for index, name in enumerate(names):
+        total, items = reduced[2 + 2 * index], reduced[3 + 2 * index]
+        metrics[f"eval/{name}"] = total / max(items, 1.0)
+    return metrics
 
 
 def close_audit(training: Training, into: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from orchestrator.precision.mixed import Precision
 from orchestrator.train.memory import param_bytes_by_dtype
+from orchestrator.train import task
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm
 from orchestrator.train.optim import build_optimizer, build_scheduler
@@ -106,6 +107,10 @@ class Training:
     """Layers moved to fp32 at run time (`on_collapse: promote`), part of the effective policy."""
     clip_grad_norm: Optional[float] = None
     """`optim.clip_grad_norm`: the total gradient norm each step is clipped to (None: no clipping)."""
+    loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    """`task.loss`: (outputs, targets) -> the batch's mean loss, in fp32."""
+    metrics: list[Callable] = field(default_factory=list)
+    """`task.metrics`: (outputs, targets) -> {name: (sum, count)}, summed over the eval set."""
 
     def capture(self) -> TrainState:
         """The train state of the model, optimizer, schedule and loss scaler (not yet placed in the run).
@@ -144,4 +149,5 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
         if scheduler is not None and state.scheduler:
             scheduler.load_state_dict(state.scheduler)
         precision.load_state_dict(state.scaler, state.counters)
-    return Training(prepared, optimizer, scheduler, precision, promoted, cfg.optim.clip_grad_norm)
+    return Training(prepared, optimizer, scheduler, precision, promoted, cfg.optim.clip_grad_norm,
+                    task.build_loss(cfg.task), task.build_metrics(cfg.task))
