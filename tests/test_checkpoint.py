@@ -9,7 +9,7 @@ import pytest
 import ray.train
 import torch
 
-from orchestrator.run.worker import ray_candidates
+from orchestrator.runner.worker import ray_candidates
 from orchestrator.train import rng
 from orchestrator.train.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
                                            local_candidates, manifest_file, rank_file, read_checkpoint,

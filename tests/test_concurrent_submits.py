@@ -9,8 +9,8 @@ from mlflow import MlflowClient
 
 from orchestrator.config import load_job
 from orchestrator.errors import BadInput
-from orchestrator.run import records
-from orchestrator.run.preflight import choose_run, default_run_name
+from orchestrator.runner import records
+from orchestrator.runner.preflight import choose_run, default_run_name
 
 from conftest import small_job
 
@@ -60,8 +60,8 @@ def test_a_claimed_name_is_taken_for_the_next_submit_and_released_when_nothing_s
 
 
 def test_plan_run_gives_the_name_back_when_mlflow_refuses(write_job, tmp_path):
-    from orchestrator.run.driver import plan_run
-    from orchestrator.run.preflight import RunChoice
+    from orchestrator.runner.driver import plan_run
+    from orchestrator.runner.preflight import RunChoice
 
     storage = tmp_path / "ray_results"
     job = write_job(small_job(tracking={"uri": "http://127.0.0.1:9"}, checkpoint={"storage_path": str(storage)}))

@@ -3,8 +3,8 @@
 import pytest
 from mlflow import MlflowClient
 
-from orchestrator.run import driver
-from orchestrator.run.preflight import RunChoice
+from orchestrator.runner import driver
+from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import load_job
 
 from conftest import small_job
@@ -71,10 +71,10 @@ STAGES = ["write_record", "relay", "writer_start", "build_trainer", "fit", "writ
 def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, tmp_path, monkeypatch):
     """Stage by stage after plan_run created the MLflow run: the error propagates (the CLI turns it into exit 1)
     and the run, with its record in storage once written, ends FAILED, never RUNNING."""
-    import orchestrator.run.launch as launch
+    import orchestrator.runner.launch as launch
     import orchestrator.tracking.relay as relay
     import orchestrator.tracking.writer as writer
-    from orchestrator.run import records
+    from orchestrator.runner import records
     from orchestrator.tracking.tracker import RunTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -111,7 +111,7 @@ def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, t
 
 def test_a_run_that_ends_well_with_fakes_is_finished(write_job, tmp_path, monkeypatch):
     """The stage test's fakes do not fail by themselves: with nothing injected the run ends FINISHED."""
-    import orchestrator.run.launch as launch
+    import orchestrator.runner.launch as launch
     import orchestrator.tracking.relay as relay
     import orchestrator.tracking.writer as writer
 
@@ -130,7 +130,7 @@ def test_a_run_that_ends_well_with_fakes_is_finished(write_job, tmp_path, monkey
 def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resume(write_job, tmp_path, monkeypatch):
     import signal
 
-    import orchestrator.run.launch as launch
+    import orchestrator.runner.launch as launch
     import orchestrator.tracking.relay as relay
     import orchestrator.tracking.writer as writer
     from orchestrator.errors import Interrupted

@@ -1,8 +1,10 @@
 """A directory holding someone's own model, data, loss and metrics (examples/regression: not image
-classification) trains with one command, and its own metrics, the training features and a model whose
-signature has the data's shape reach MLflow."""
+classification) trains with one command and from Python, and its own metrics, the training features and
+a model whose signature has the data's shape reach MLflow."""
 
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -37,3 +39,30 @@ def test_the_regression_example_trains_through_submit_with_its_own_loss_metrics_
     logged = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
     (spec,) = logged.signature.inputs.inputs
     assert tuple(spec.shape) == (-1, 8), spec  # the data's shape, no image anywhere
+
+
+def test_the_regression_example_trains_from_python_with_a_dict_job(ray_session, tmp_path, monkeypatch):
+    """`from orchestrator import run` with the example's job as a dict: a RunResult naming the MLflow run, its
+    final metrics, its checkpoints and a model that loads; Ray (initialised by the caller) is left running."""
+    import mlflow
+    import torch
+    import yaml
+
+    from orchestrator import run
+
+    example = tmp_path / "regression"
+    shutil.copytree(REPO / "examples" / "regression", example)
+    monkeypatch.chdir(example)
+    monkeypatch.delitem(sys.modules, "regression", raising=False)  # this copy's module, not another test's
+    job = yaml.safe_load((example / "job.yaml").read_text())
+    job["tracking"]["uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = run(job, ["precision.preset=O0", "run.epochs=1", "data.kwargs.train_samples=256",
+                       "data.kwargs.eval_samples=64"])
+    assert result.status == "FINISHED" and result.error is None
+    client, logged_run = only_run(job["tracking"]["uri"], "regression")
+    assert result.run_id == logged_run.info.run_id
+    assert result.metrics["eval/mae"] == pytest.approx(logged_run.data.metrics["eval/mae"])
+    assert sorted(p.name for p in Path(result.checkpoint_path).glob("checkpoint_0*"))
+    model = mlflow.pytorch.load_model(result.model_uri, map_location="cpu")
+    assert model(torch.zeros(3, 8)).shape == (3,)
+    assert ray_session.is_initialized()

@@ -8,8 +8,8 @@ import yaml
 from conftest import run_mains, small_job
 from orchestrator.config import load_job
 from orchestrator.errors import BadInput
-from orchestrator.run import records
-from orchestrator.run.preflight import RunChoice, preflight
+from orchestrator.runner import records
+from orchestrator.runner.preflight import RunChoice, preflight
 
 # name: (overrides for both commands, what the one error line must say)
 CASES = {

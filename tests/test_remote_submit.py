@@ -54,7 +54,7 @@ def test_without_the_clusters_token_nothing_is_submitted_and_the_error_says_how_
 
 
 def test_the_entrypoint_survives_the_job_servers_shell_and_addresses_pick_the_path(monkeypatch, capsys):
-    from orchestrator.run.remote import entrypoint, is_job_server_address
+    from orchestrator.runner.remote import entrypoint, is_job_server_address
     from orchestrator.cli.submit import main
 
     overrides = ["run.name=my run; rm -rf /", "tracking.experiment=it's"]

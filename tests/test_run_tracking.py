@@ -8,7 +8,7 @@ from mlflow import MlflowClient
 
 from conftest import small_job
 from orchestrator.config import load_job
-from orchestrator.run import records
+from orchestrator.runner import records
 from orchestrator.tracking.tracker import RunTracker
 from orchestrator.tracking.writer import MlflowWriter
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from orchestrator.run import remote
+from orchestrator.runner import remote
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 
 

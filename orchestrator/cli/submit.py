@@ -4,10 +4,10 @@ Exit codes: 0 success; 2 bad input (nothing started or submitted, no MLflow run;
 unreachable when `tracking.required`); 1 training failed (the worker's exception first, the
 MLflow run marked FAILED), or the driver failed after the run was created (the run marked FAILED);
 130 Ctrl-C and 143 SIGTERM (the run marked KILLED; the line printed says how to `--resume`).
-The run itself is driven by `orchestrator.run.driver`.
+The run itself is driven by `orchestrator.runner.driver`.
 
 With `--address http(s)://HEAD:8265` the job is validated here and run on that cluster
-(`orchestrator.run.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
+(`orchestrator.runner.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
-from orchestrator.run import remote
+from orchestrator.runner import remote
 from orchestrator.config import load_job, to_yaml
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
 from orchestrator.tracking.secrets import install_console_redaction, redact
@@ -65,8 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from orchestrator.run.driver import execute, plan_run
-    from orchestrator.run.preflight import preflight
+    from orchestrator.runner.driver import execute, plan_run
+    from orchestrator.runner.preflight import preflight
 
     job_path = Path(args.job)
     to_cluster = remote.is_job_server_address(args.address)

@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.train import models
 
-from orchestrator.run import remote
-from orchestrator.run.preflight import RunChoice
+from orchestrator.runner import remote
+from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import flatten, load_job
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
 from orchestrator.tracking.secrets import install_console_redaction, redact
@@ -110,7 +110,7 @@ def check_precision_keys(job_path: Path, overrides: list[str], configs: dict[str
 
 def validate(args: argparse.Namespace) -> SweepPlan:
     """Submit's pre-flight, for every preset, before anything starts; BadInput (exit 2) otherwise."""
-    from orchestrator.run.preflight import preflight
+    from orchestrator.runner.preflight import preflight
 
     if remote.is_job_server_address(args.address):
         raise BadInput(f"--address {redact(args.address)}: the sweep does not submit to a job server; it runs "
@@ -159,8 +159,8 @@ def start_parent(plan: SweepPlan, max_accuracy_drop: float):
 def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
     """Each preset's run, in order: (preset, its RunTracker or None, exit code). A failed child does not stop
     the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
-    from orchestrator.run.driver import execute, plan_run
-    from orchestrator.run.records import close_run
+    from orchestrator.runner.driver import execute, plan_run
+    from orchestrator.runner.records import close_run
 
     results = []
     for number, ((preset, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
@@ -210,8 +210,8 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     child finished), FAILED or KILLED."""
     import ray
 
-    from orchestrator.run.driver import init_ray
-    from orchestrator.run.records import close_run
+    from orchestrator.runner.driver import init_ray
+    from orchestrator.runner.records import close_run
     from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
     from orchestrator.tracking.tracker import view_hint
 

@@ -2,7 +2,7 @@
 
 The driver creates (or, with --resume, reopens) the run with params, tags and the resolved
 YAML, `orchestrator.tracking.writer` logs what the workers report, and the driver closes the run
-FINISHED, FAILED or KILLED (`orchestrator.run.records.close_run`). Workers never talk to MLflow, so
+FINISHED, FAILED or KILLED (`orchestrator.runner.records.close_run`). Workers never talk to MLflow, so
 a restarted worker group cannot create a second run. The writer, the sweep and export read and write
 through the small named methods here, never through an MLflow client of their own, so everything
 logged is redacted in one place (`orchestrator.tracking.secrets`).

@@ -1,5 +1,5 @@
 """Train state <-> a checkpoint directory, never trusted half-written. No Ray here: the worker
-adapter hands the directory to Ray Train (`orchestrator.run.worker`), a Ray-free run keeps it itself.
+adapter hands the directory to Ray Train (`orchestrator.runner.worker`), a Ray-free run keeps it itself.
 
 A checkpoint directory holds, from every rank r that reported it:
 - `train_state.pt` (rank 0): the shared part of the `TrainState` (fp32 weights, optimizer, scaler,

@@ -8,7 +8,7 @@ checkpoint; early stopping ends the run after an evaluation that did not improve
 A collapsed loss scale is acted on as `precision.scaler.on_collapse` says.
 
 What belongs to the runtime is behind `Session`: where reports and checkpoints go, which checkpoints
-exist to resume from, where faults leave their markers. Ray Train's worker (`orchestrator.run.worker`)
+exist to resume from, where faults leave their markers. Ray Train's worker (`orchestrator.runner.worker`)
 is one session; `orchestrator.train.local` runs the same loop in plain processes (tests, benchmarks).
 """
 

@@ -6,7 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from orchestrator.run.worker import train_loop
+from orchestrator.runner.worker import train_loop
 
 
 def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,

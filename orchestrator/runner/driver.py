@@ -1,7 +1,7 @@
 """What `submit` does with a job the pre-flight passed: one MLflow run, Ray, the trainer, and a clean end.
 
 `plan_run()` settles what can still be refused with exit 2 (MLflow reachable) and only then creates
-or reopens the MLflow run of the run the pre-flight chose (`orchestrator.run.preflight`); `execute()`
+or reopens the MLflow run of the run the pre-flight chose (`orchestrator.runner.preflight`); `execute()`
 starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED
 (`records.close_run`).
 """
@@ -21,9 +21,9 @@ from omegaconf import DictConfig
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_on_sigterm
-from orchestrator.run.preflight import RunChoice
-from orchestrator.run import records
-from orchestrator.run.records import close_run
+from orchestrator.runner.preflight import RunChoice
+from orchestrator.runner import records
+from orchestrator.runner.records import close_run
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 HEALTH_CHECK_INTERVAL_S = 0.5
@@ -42,6 +42,26 @@ class RunPlan:
     """The MLflow run (RunTracker), or None while MLflow is unreachable and `tracking.required` is false."""
     parent_run_id: Optional[str] = None
     """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
+    result: Optional["RunResult"] = None
+    """How the run ended, once `execute` has run it (what `orchestrator.run()` returns)."""
+
+
+@dataclass
+class RunResult:
+    """How a run ended, for callers from Python (`from orchestrator import run`)."""
+
+    run_id: Optional[str]
+    """The MLflow run (None when MLflow never answered)."""
+    status: str
+    """FINISHED or FAILED (an interrupt raises instead)."""
+    metrics: dict[str, float]
+    """Each metric's final value (`eval/loss`, `eval/<metric>`, `train/loss`, `amp/*`, ...)."""
+    checkpoint_path: Optional[str]
+    """Where the run's checkpoints are (its directory in `checkpoint.storage_path`)."""
+    model_uri: Optional[str]
+    """The logged fp32 model (`mlflow.pytorch.load_model(model_uri)`), or None when none was logged."""
+    error: Optional[str] = None
+    """Why it FAILED: the worker's exception first."""
 
 
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
@@ -177,8 +197,8 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
     import ray
     from ray.train import TrainingFailedError
 
-    from orchestrator.run.launch import build_trainer
-    from orchestrator.run.preflight import check_cluster_capacity
+    from orchestrator.runner.launch import build_trainer
+    from orchestrator.runner.preflight import check_cluster_capacity
     from orchestrator.tracking.writer import MlflowWriter
     from orchestrator.tracking.progress import ConsoleProgress
     from orchestrator.tracking.relay import RelayCallback, ReportRelay
@@ -264,6 +284,8 @@ def summarize_failure(exc: BaseException) -> str:
 
 def _failed(plan: RunPlan, end: RunEnd, failure) -> int:
     tracker = end.tracker
+    plan.result = RunResult(tracker.run_id if tracker is not None else None, "FAILED", {}, None, None,
+                            error=redact(summarize_failure(failure)))
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
     end.close("FAILED")
@@ -283,7 +305,9 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
         end.close("FINISHED")
         print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
               f"Checkpoints: {result.path}", file=sys.stderr)
+        plan.result = RunResult(None, "FINISHED", dict(result.metrics or {}), str(result.path), None)
         return EXIT_OK
+    model_uri = None
     if cfg.tracking.log_model and result.checkpoint is not None:
         try:
             model, sample_shape = _trained_model(cfg, result.checkpoint)
@@ -293,6 +317,7 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
             model_format = tracker.log_model(model, example,
                                              code_paths=[str(source) for source in module_sources] or None)
             tracker.set_tag("model_format", model_format)
+            model_uri = f"runs:/{tracker.run_id}/model"
         except Exception as exc:  # the trained run stands even if the model cannot be logged
             print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
     tracker.log_plots(cfg.precision.preset)
@@ -309,6 +334,7 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
             print(f"  {key:<20} {final[key]:.6g}")
     print(f"Checkpoints: {result.path}")
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
+    plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code
 
 

@@ -50,7 +50,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
 
     `configs`: the job's resolved config, or a sweep's, one per preset (the first is the base).
     """
-    from orchestrator.run.remote import is_job_server_address
+    from orchestrator.runner.remote import is_job_server_address
     from orchestrator.train import data, faults, models
 
     base = configs[0]
@@ -96,7 +96,7 @@ def default_run_name(job_path: Path) -> str:
 
 def choose_run(cfg: DictConfig, job_path: Path, resume: bool) -> RunChoice:
     """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run."""
-    from orchestrator.run import records
+    from orchestrator.runner import records
 
     storage = cfg.checkpoint.storage_path
     if resume:

@@ -16,7 +16,7 @@ import ray.train
 import ray.train.torch
 from omegaconf import OmegaConf
 
-from orchestrator.run import records
+from orchestrator.runner import records
 from orchestrator.train.checkpoint import Candidate, directory_size, write_failure
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.training import ddp_kwargs, register_comm_hook

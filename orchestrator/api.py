@@ -1,0 +1,58 @@
+"""Train from Python: `from orchestrator import run`.
+
+    result = run("jobs/quickstart.yaml", ["run.epochs=2"])
+    result = run({"model": {"name": "simple_cnn"}, "data": {"name": "digits"}})
+    result.run_id, result.status, result.metrics["eval/accuracy"], result.model_uri
+
+The same pre-flight, MLflow run and Ray Train run as `python -m orchestrator.submit`, with
+exceptions where the CLI has exit codes: bad input raises `BadInput` (nothing started, no MLflow run),
+Ctrl-C raises `Interrupted` (the run closed KILLED), and a training that fails returns a `RunResult`
+with status FAILED and the worker's error (the MLflow run marked FAILED), as Ray Train's `fit()` hands
+back its result. Works from a notebook: nothing exits the interpreter, and when Ray is already
+initialised (`ray.init()` in the notebook) the run uses that Ray and leaves it running.
+"""
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator.errors import BadInput
+from orchestrator.runner.driver import RunResult
+
+Job = Union[str, Path, Mapping[str, Any], DictConfig]
+
+
+def run(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None) -> RunResult:
+    """Train `job` (a YAML path, a dict or a DictConfig) with `overrides` (`section.key=value`) on a local Ray
+    (`address` None) or an existing cluster (`address`: its GCS address, `HOST:6379`, or "auto")."""
+    from orchestrator.config import load_job
+    from orchestrator.runner.driver import execute, plan_run
+    from orchestrator.runner.preflight import preflight
+    from orchestrator.runner.remote import is_job_server_address
+
+    if is_job_server_address(address):
+        raise BadInput(f"run(): {address} is a job server address; from Python, give the cluster's GCS address "
+                       "(HOST:6379), or submit there with `python -m orchestrator.submit JOB --address URL`.")
+    if isinstance(overrides, str):
+        raise BadInput("run(): overrides is a list of 'section.key=value' strings, not one string.")
+    written = None
+    try:
+        if isinstance(job, (str, Path)):
+            job_path = Path(job)
+        else:  # a mapping has no file: it is written to one, so the run's name and record have a job file
+            written = Path(tempfile.mkdtemp(prefix="ampflow-job-"))
+            job_path = written / "job.yaml"
+            content = OmegaConf.to_container(job) if isinstance(job, DictConfig) else dict(job)
+            job_path.write_text(yaml.safe_dump(content, sort_keys=False))
+        cfg = load_job(job_path, list(overrides))
+        checked = preflight([cfg], job_path, address)
+        plan = plan_run(cfg, job_path, address, checked.runs[0])
+        execute(plan)
+        return plan.result
+    finally:
+        if written is not None:
+            shutil.rmtree(written, ignore_errors=True)
