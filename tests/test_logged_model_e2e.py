@@ -41,3 +41,36 @@ def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_pat
         expected, in_batch, alone = trained(batch), logged(batch), logged(batch[:1])
     torch.testing.assert_close(in_batch, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(alone, in_batch[:1], rtol=1e-4, atol=1e-5)  # no batch statistics
+
+
+def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_session, tmp_path, write_job,
+                                                                         mlflow_uri, monkeypatch):
+    """Scored by the lowest eval/loss, with a learning rate high enough that the last epoch is not the best
+    (this job's losses: about 2.2, 1.9, 4.2): the logged model has the best checkpoint's weights, not the final
+    ones, and the run says from which step."""
+    from mlflow import MlflowClient
+
+    from orchestrator.cli.submit import main
+    from orchestrator.tracking.tracker import RunTracker
+    from orchestrator.train.checkpoint import read_checkpoint
+
+    storage = tmp_path / "ray_results"
+    job = write_job(small_job(precision={"preset": "O0"}, run={"name": "best", "epochs": 3, "max_steps_per_epoch": 4},
+                              tracking={"uri": mlflow_uri, "experiment": "best", "log_model": True},
+                              checkpoint={"storage_path": str(storage), "num_to_keep": 3,
+                                          "score_metric": "eval/loss", "score_mode": "min"}))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(job)]) == 0
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("best").experiment_id])
+    losses = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/loss")}
+    best = min(losses, key=losses.get)
+    assert list(losses) == [4, 8, 12] and best != 12, f"the last epoch must not be the best here: {losses}"
+    assert run.data.tags["best_checkpoint_step"] == str(best)
+
+    logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model().state_dict()
+    checkpoints = {int(p.name.split("_")[1]): p for p in (storage / "best").glob("checkpoint_0*")}
+    chosen, last = read_checkpoint(checkpoints[best], rank=0).model, read_checkpoint(checkpoints[12], rank=0).model
+    for name, weight in chosen.items():
+        torch.testing.assert_close(logged[name], weight, rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(logged[name], last[name]) for name in last)

@@ -279,6 +279,12 @@ class CheckpointSection:
     """Newest checkpoints kept in storage."""
     storage_path: Optional[str] = None
     """Ray Train storage (local dir or URI); defaults to <submit dir>/ray_results."""
+    score_metric: Optional[str] = None
+    """Keep and log the best checkpoint by this evaluation metric (`eval/loss`, `eval/<metric>`), not the newest:
+    the `num_to_keep` best are kept (and always the newest, to resume from); the logged model is the best one.
+    Null: the newest checkpoints are kept and the final model is logged."""
+    score_mode: str = "max"
+    """`max`: a higher `score_metric` is better; `min`: lower is better."""
 
 
 @dataclass

@@ -105,6 +105,16 @@ def validate(cfg: DictConfig, source: str) -> None:
         r(stopping.patience >= 1, "run.early_stopping.patience", f"must be >= 1 evaluation, got {stopping.patience}.")
         r(math.isfinite(stopping.min_delta) and stopping.min_delta >= 0, "run.early_stopping.min_delta",
           f"must be a finite number >= 0, got {stopping.min_delta}.")
+    score = cfg.checkpoint.score_metric
+    r(score is None or score.startswith("eval/"), "checkpoint.score_metric",
+      f"'{score}' is not an evaluation metric: use eval/loss or eval/<one of task.metrics>.")
+    r(cfg.checkpoint.score_mode in ("min", "max"), "checkpoint.score_mode",
+      f"must be min or max, got '{cfg.checkpoint.score_mode}'.")
+    r(score is None or cfg.checkpoint.every_n_steps is None, "checkpoint.score_metric",
+      "mid-epoch checkpoints (checkpoint.every_n_steps) carry no evaluation to be scored by: set one of the two.")
+    r(score is None or cfg.checkpoint.every_n_epochs % cfg.run.eval_every_n_epochs == 0, "checkpoint.score_metric",
+      "every checkpoint must follow an evaluation: make checkpoint.every_n_epochs a multiple of "
+      "run.eval_every_n_epochs.")
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
     r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")

@@ -6,6 +6,7 @@ starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KIL
 (`records.close_run`).
 """
 
+import math
 import os
 import re
 import signal
@@ -308,9 +309,10 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
         plan.result = RunResult(None, "FINISHED", dict(result.metrics or {}), str(result.path), None)
         return EXIT_OK
     model_uri = None
-    if cfg.tracking.log_model and result.checkpoint is not None:
+    final_checkpoint = chosen_checkpoint(cfg, result, tracker)
+    if cfg.tracking.log_model and final_checkpoint is not None:
         try:
-            model, sample_shape = _trained_model(cfg, result.checkpoint)
+            model, sample_shape = _trained_model(cfg, final_checkpoint)
             if not sample_shape:
                 raise ValueError("its checkpoint does not record the input shape (written by an older version)")
             example = np.zeros((2, *sample_shape), dtype=np.float32)  # batch 2 keeps the export's batch dynamic
@@ -322,8 +324,8 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
             print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
     tracker.log_plots(cfg.precision.preset)
     exit_code = EXIT_OK
-    if cfg.export.dtype is not None and result.checkpoint is not None:
-        exit_code = _export_after_training(cfg, result.checkpoint, tracker)
+    if cfg.export.dtype is not None and final_checkpoint is not None:
+        exit_code = _export_after_training(cfg, final_checkpoint, tracker)
     end.close("FINISHED")
 
     final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
@@ -336,6 +338,24 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
     plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code
+
+
+def chosen_checkpoint(cfg: DictConfig, result, tracker):
+    """The checkpoint whose model is logged (and exported): with `checkpoint.score_metric`, the best of those
+    kept by it, tagged `best_checkpoint_step`; else the final one."""
+    metric = cfg.checkpoint.score_metric
+    if metric is None:
+        return result.checkpoint
+    scored = [(c, m) for c, m in (result.best_checkpoints or []) if isinstance(m.get(metric), (int, float))
+              and not math.isnan(m[metric])]
+    if not scored:
+        print(f"warning: no checkpoint reported {metric} (checkpoint.score_metric); the final one is logged.",
+              file=sys.stderr)
+        return result.checkpoint
+    pick = max if cfg.checkpoint.score_mode == "max" else min
+    checkpoint, metrics = pick(scored, key=lambda pair: pair[1][metric])
+    tracker.set_tags({"best_checkpoint_step": str(int(metrics["step"])), "best_checkpoint_score": str(metrics[metric])})
+    return checkpoint
 
 
 def _trained_model(cfg: DictConfig, checkpoint) -> tuple:

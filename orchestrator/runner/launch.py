@@ -26,7 +26,9 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
         name=run_name,
         storage_path=storage_path,
         failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
-        checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep,
+                                           checkpoint_score_attribute=cfg.checkpoint.score_metric,
+                                           checkpoint_score_order=cfg.checkpoint.score_mode),
         callbacks=callbacks,
         worker_runtime_env=worker_runtime_env,
     )
