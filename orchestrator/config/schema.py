@@ -22,10 +22,30 @@ class ModelSection:
 
 
 @dataclass
+class TransformsSection:
+    grayscale: bool = False
+    """Convert images to one channel (ImageFolder reads every image as RGB)."""
+    resize: Optional[int] = None
+    """Resize images so the shorter side is this many pixels (null: as they are)."""
+    crop: Optional[int] = None
+    """Crop to this square size: a random crop for training (with `data.augment`), the centre for evaluation."""
+    crop_padding: int = 0
+    """Pixels of padding around a random training crop (4 with crop 32 is CIFAR's recipe)."""
+    flip: bool = False
+    """Random horizontal flips for training (with `data.augment`)."""
+    mean: Optional[List[float]] = None
+    """Per-channel mean to normalise with (with `std`); null: no normalisation."""
+    std: Optional[List[float]] = None
+    """Per-channel standard deviation to normalise with."""
+
+
+@dataclass
 class DataSection:
     name: str = MISSING
-    """Dataset: `cifar10` (torchvision), `digits` (scikit-learn, offline), `synthetic`, or an import path
-    `package.module:factory` to your own function returning (train dataset, eval dataset)."""
+    """Dataset: `cifar10` (torchvision, with CIFAR's own recipe), `digits` (scikit-learn, offline), `synthetic`,
+    a torchvision dataset by name (`MNIST`, `FashionMNIST`, `CIFAR100`, `SVHN`, ...), `ImageFolder` (over
+    `root/train` and `root/val`), or an import path `package.module:factory` to your own function returning
+    (train dataset, eval dataset)."""
     root: str = "data"
     """Where datasets are stored or downloaded to; relative paths are taken from submit's directory."""
     download: bool = True
@@ -38,6 +58,8 @@ class DataSection:
     """Number of random training samples for `synthetic` (throughput runs only)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for an import-path dataset factory."""
+    transforms: TransformsSection = field(default_factory=TransformsSection)
+    """Image transforms for torchvision datasets and ImageFolder (ToTensor always)."""
     loader: str = "dataloader"
     """`dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
     worker's device, each rank taking its shard, augmentation on the device, no loader processes."""

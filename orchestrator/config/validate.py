@@ -5,7 +5,7 @@ import re
 
 from omegaconf import DictConfig
 
-from orchestrator.train import data, models, task
+from orchestrator.train import data, models, task, vision
 from orchestrator.errors import BadInput
 from orchestrator.precision.policy import Policy
 
@@ -68,6 +68,7 @@ def validate(cfg: DictConfig, source: str) -> None:
         data.check_name(cfg.data.name)
         models.resolve_factory(cfg.model.name)
         task.check(cfg.task)
+        vision.check_transforms(cfg.data.transforms)
     except BadInput as exc:
         raise BadInput(f"{source}: {exc}") from None
 

@@ -1,7 +1,8 @@
 """The one pre-flight of `submit`, `sweep` and remote submission: everything that can refuse a job (exit 2)
 before Ray starts, an MLflow run exists or anything reaches a cluster.
 
-In order: the data can be had, the model builds (on the CPU here), the precision lint, the `faults`
+In order: the data can be had, the model builds (on the CPU here) and takes the data's samples, the
+precision lint, the `faults`
 section fits the model, this machine can hold the workers, and which run it is (a new name that is not
 taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
 A sweep passes one config per preset: the lint and the run name are checked for each, the rest once on
@@ -58,6 +59,8 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     if not to_job_server:  # a remote job reads its data on the cluster, which checks it there
         data.ensure_available(base.data)
     model = models.build_model(base.model)  # a broken model fails here, before Ray starts
+    if not to_job_server:
+        check_data_fits_model(base, model)
     for cfg in configs:
         check_lint(cfg, model)
     faults.check(base.faults, model)
@@ -68,6 +71,34 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
             check_storage_writable(storage)
     runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
     return Preflight(model, runs)
+
+
+def check_data_fits_model(cfg: DictConfig, model) -> None:
+    """Two samples of the training set through the model on the CPU: a model that cannot take the data's shape,
+    or whose outputs do not match the number of classes the data has, is refused naming both."""
+    import torch
+
+    from orchestrator.train.data import build_datasets
+    from orchestrator.train.modes import eval_mode
+
+    train, _ = build_datasets(cfg.data, cfg.model.num_classes)
+    if len(train) == 0:
+        raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
+    samples = [train[i] for i in range(min(2, len(train)))]
+    inputs = torch.stack([torch.as_tensor(x) for x, _ in samples]).float()
+    shape = "x".join(str(d) for d in inputs.shape[1:])
+    try:
+        with torch.no_grad(), eval_mode(model):
+            outputs = model(inputs)
+    except Exception as exc:  # whatever the model raises on the wrong shape (RuntimeError, ValueError, ...)
+        raise BadInput(f"data.name: {cfg.data.name} gives samples of shape {shape}, which model.name "
+                       f"{cfg.model.name} cannot take ({type(exc).__name__}: {str(exc)[:300]}). Use a model for "
+                       "this input (e.g. model.kwargs) or transform the data (data.transforms).") from None
+    classes = getattr(train, "classes", None)
+    if cfg.task.loss == "cross_entropy" and classes is not None and outputs.dim() == 2 \
+            and outputs.shape[1] != len(classes):
+        raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
+                       f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
 
 
 def check_lint(cfg: DictConfig, model) -> None:

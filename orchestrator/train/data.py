@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.errors import BadInput, DataUnavailable
+from orchestrator.train import vision
 
 NAMES = ("cifar10", "digits", "synthetic")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -33,9 +34,10 @@ def check_name(name: str) -> None:
     """A built-in dataset, or an import path to the user's factory (resolved, not called)."""
     if is_import_path(name):
         resolve_import_path(name, "data.name", kind="dataset factory")
-    elif name not in NAMES:
-        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(NAMES)}, or an import path "
-                       "'mypackage.data:make_datasets' to a function returning (train dataset, eval dataset).")
+    elif name not in NAMES and name not in vision.NAMES:
+        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(NAMES)}, a torchvision dataset "
+                       f"({', '.join(vision.NAMES)}), or an import path 'mypackage.data:make_datasets' to a function "
+                       "returning (train dataset, eval dataset).")
 
 
 def _user_datasets(data_cfg) -> tuple[Dataset, Dataset]:
@@ -67,6 +69,9 @@ def _cifar_unavailable(root: Path, reason: str) -> DataUnavailable:
 def ensure_available(data_cfg) -> None:
     """Driver-side check before Ray starts: the dataset can be had (downloading it if allowed)."""
     check_name(data_cfg.name)
+    if data_cfg.name in vision.NAMES:
+        vision.build(data_cfg)  # downloads when allowed; DataUnavailable says where to put the files
+        return
     if data_cfg.name != "cifar10":
         return
     root = Path(data_cfg.root)
@@ -130,6 +135,8 @@ def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
     check_name(data_cfg.name)
     if is_import_path(data_cfg.name):
         return _user_datasets(data_cfg)
+    if data_cfg.name in vision.NAMES:
+        return vision.build(data_cfg)
     if data_cfg.name == "cifar10":
         return _cifar10(data_cfg)
     if data_cfg.name == "digits":

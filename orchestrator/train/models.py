@@ -16,12 +16,12 @@ from orchestrator.errors import BadInput
 
 
 class SimpleCNN(nn.Module):
-    """Two conv+pool blocks and two linear layers, for 3x32x32 inputs."""
+    """Two conv+pool blocks and two linear layers, for in_channels x 32 x 32 inputs (`image_size` for others)."""
 
-    def __init__(self, num_classes: int = 10, width: int = 16):
+    def __init__(self, num_classes: int = 10, width: int = 16, in_channels: int = 3, image_size: int = 32):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1),
+            nn.Conv2d(in_channels, width, 3, padding=1),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
             nn.Conv2d(width, 2 * width, 3, padding=1),
@@ -30,7 +30,7 @@ class SimpleCNN(nn.Module):
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(2 * width * 8 * 8, 128),
+            nn.Linear(2 * width * (image_size // 4) ** 2, 128),
             nn.ReLU(inplace=True),
             nn.Linear(128, num_classes),
         )
