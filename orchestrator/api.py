@@ -26,9 +26,18 @@ from orchestrator.runner.driver import RunResult
 Job = Union[str, Path, Mapping[str, Any], DictConfig]
 
 
-def run(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None) -> RunResult:
+def run(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None, *,
+        resume: bool = False) -> RunResult:
     """Train `job` (a YAML path, a dict or a DictConfig) with `overrides` (`section.key=value`) on a local Ray
-    (`address` None) or an existing cluster (`address`: its GCS address, `HOST:6379`, or "auto")."""
+    (`address` None) or an existing cluster (`address`: its GCS address, `HOST:6379`, or "auto").
+    `resume`: continue the job file's newest interrupted run instead (as `submit --resume`)."""
+    return train(job, overrides, address, resume=resume)[0]
+
+
+def train(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None, *,
+          resume: bool = False) -> tuple[RunResult, int]:
+    """`run()`, and the exit code `submit` exits with for it (0, or 1 for a failed training or a refused
+    export)."""
     from orchestrator.config import load_job
     from orchestrator.runner.driver import execute, plan_run
     from orchestrator.runner.preflight import preflight
@@ -44,15 +53,17 @@ def run(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None) 
         if isinstance(job, (str, Path)):
             job_path = Path(job)
         else:  # a mapping has no file: it is written to one, so the run's name and record have a job file
+            if resume:
+                raise BadInput("run(resume=True) continues a job file's run: give the job as a YAML path.")
             written = Path(tempfile.mkdtemp(prefix="ampflow-job-"))
             job_path = written / "job.yaml"
             content = OmegaConf.to_container(job) if isinstance(job, DictConfig) else dict(job)
             job_path.write_text(yaml.safe_dump(content, sort_keys=False))
         cfg = load_job(job_path, list(overrides))
-        checked = preflight([cfg], job_path, address)
+        checked = preflight([cfg], job_path, address, resume=resume)
         plan = plan_run(cfg, job_path, address, checked.runs[0])
-        execute(plan)
-        return plan.result
+        exit_code = execute(plan)
+        return plan.result, exit_code
     finally:
         if written is not None:
             shutil.rmtree(written, ignore_errors=True)

@@ -39,14 +39,26 @@ def folder_job(write_job, folder, **model):
         scaling={"num_workers": 1}, run={"batch_size": 6, "epochs": 1})))
 
 
-def test_an_image_folder_of_1x28x28_trains_a_one_channel_model_and_keeps_its_shape(write_job, folder, tmp_path):
+def test_an_image_folder_of_1x28x28_trains_a_one_channel_model_logged_with_that_signature(write_job, folder,
+                                                                                           tmp_path, mlflow_uri):
+    import mlflow
+    from ray.train import Checkpoint
+
+    from orchestrator.runner.driver import log_trained_model
+    from orchestrator.tracking.tracker import RunTracker
+
     cfg = folder_job(write_job, folder)
     preflight([cfg], tmp_path / "job.yaml", None)  # the model takes the data
     reports = spawn(OmegaConf.to_container(cfg, resolve=True), world_size=1, directory=tmp_path / "run")["reports"]
     assert any("eval/accuracy" in r for r in reports)
+    final = sorted((tmp_path / "run" / "checkpoints").glob("checkpoint_0*"))[-1]
     state, _ = load_newest_valid(local_candidates(tmp_path / "run" / "checkpoints"), rank=0)
-    assert state.sample_shape == [1, 28, 28]
-    assert state.model["features.0.weight"].shape[1] == 1
+    assert state.sample_shape == [1, 28, 28] and state.model["features.0.weight"].shape[1] == 1
+
+    tracker = RunTracker.start(mlflow_uri, cfg, run_name="folder", tags={}, params={}, config_yaml="")
+    uri = log_trained_model(cfg, Checkpoint.from_directory(str(final)), tracker)  # as the driver logs it
+    (spec,) = mlflow.models.get_model_info(uri).signature.inputs.inputs
+    assert tuple(spec.shape) == (-1, 1, 28, 28)
 
 
 def test_a_model_that_cannot_take_the_data_is_refused_in_preflight_naming_both(write_job, folder, tmp_path):

@@ -4,7 +4,8 @@ Exit codes: 0 success; 2 bad input (nothing started or submitted, no MLflow run;
 unreachable when `tracking.required`); 1 training failed (the worker's exception first, the
 MLflow run marked FAILED), or the driver failed after the run was created (the run marked FAILED);
 130 Ctrl-C and 143 SIGTERM (the run marked KILLED; the line printed says how to `--resume`).
-The run itself is driven by `orchestrator.runner.driver`.
+A thin wrapper over the Python API (`orchestrator.api`), which drives the run through
+`orchestrator.runner.driver`.
 
 With `--address http(s)://HEAD:8265` the job is validated here and run on that cluster
 (`orchestrator.runner.remote`): 0 it SUCCEEDED, 1 it FAILED or was STOPPED, 2 nothing was submitted.
@@ -65,7 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from orchestrator.runner.driver import execute, plan_run
+    """The command line around the Python API (`orchestrator.api`): dry runs and job servers here, a run
+    there; bad input is exit 2."""
+    from orchestrator import api
     from orchestrator.runner.preflight import preflight
 
     job_path = Path(args.job)
@@ -73,18 +76,16 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         if args.no_wait and not to_cluster:
             raise BadInput("--no-wait needs a job server to submit to: --address http://HEAD:8265.")
-        cfg = load_job(job_path, args.overrides)
         if args.dry_run:
-            print(redact(to_yaml(cfg)), end="")
+            print(redact(to_yaml(load_job(job_path, args.overrides))), end="")
             return EXIT_OK
-        checked = preflight([cfg], job_path, args.address, resume=args.resume)
-        if to_cluster:
-            return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
-        plan = plan_run(cfg, job_path, args.address, checked.runs[0])
+        if not to_cluster:
+            return api.train(job_path, args.overrides, args.address, resume=args.resume)[1]
+        preflight([load_job(job_path, args.overrides)], job_path, args.address, resume=args.resume)
     except BadInput as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return execute(plan)
+    return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
 
 
 if __name__ == "__main__":

@@ -311,17 +311,7 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
     model_uri = None
     final_checkpoint = chosen_checkpoint(cfg, result, tracker)
     if cfg.tracking.log_model and final_checkpoint is not None:
-        try:
-            model, sample_shape = _trained_model(cfg, final_checkpoint)
-            if not sample_shape:
-                raise ValueError("its checkpoint does not record the input shape (written by an older version)")
-            example = np.zeros((2, *sample_shape), dtype=np.float32)  # batch 2 keeps the export's batch dynamic
-            model_format = tracker.log_model(model, example,
-                                             code_paths=[str(source) for source in module_sources] or None)
-            tracker.set_tag("model_format", model_format)
-            model_uri = f"runs:/{tracker.run_id}/model"
-        except Exception as exc:  # the trained run stands even if the model cannot be logged
-            print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
+        model_uri = log_trained_model(cfg, final_checkpoint, tracker, module_sources)
     tracker.log_plots(cfg.precision.preset)
     exit_code = EXIT_OK
     if cfg.export.dtype is not None and final_checkpoint is not None:
@@ -338,6 +328,22 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
     plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code
+
+
+def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequence[Path] = ()) -> Optional[str]:
+    """Log the checkpoint's model (fp32, eval mode) to the run, with an example input of the shape it trained
+    on; returns its URI, or None with a warning when it cannot be logged (the trained run stands either way)."""
+    try:
+        model, sample_shape = _trained_model(cfg, checkpoint)
+        if not sample_shape:
+            raise ValueError("its checkpoint does not record the input shape (written by an older version)")
+        example = np.zeros((2, *sample_shape), dtype=np.float32)  # batch 2 keeps the export's batch dynamic
+        model_format = tracker.log_model(model, example, code_paths=[str(source) for source in module_sources] or None)
+        tracker.set_tag("model_format", model_format)
+        return f"runs:/{tracker.run_id}/model"
+    except Exception as exc:
+        print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
+        return None
 
 
 def chosen_checkpoint(cfg: DictConfig, result, tracker):
