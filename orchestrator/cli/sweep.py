@@ -133,7 +133,7 @@ def validate(args: argparse.Namespace) -> SweepPlan:
 
 def start_parent(plan: SweepPlan, max_accuracy_drop: float):
     """The parent MLflow run: the common config (precision varies per child), the sweep's params and tags."""
-    from orchestrator.tracking.tracker import RunTracker, git_commit, quick_http_failures, resolve_uri
+    from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri, standard_tags
 
     quick_http_failures()
     base = next(iter(plan.configs.values()))
@@ -146,10 +146,10 @@ def start_parent(plan: SweepPlan, max_accuracy_drop: float):
     params.update({"sweep.presets": presets, "sweep.job_file": str(plan.job_path),
                    "sweep.overrides": " ".join(plan.overrides)[:6000] or "(none)",
                    "sweep.max_accuracy_drop": str(max_accuracy_drop)})
-    tags = {"ampflow.sweep": "true", "sweep.presets": presets, "job_file": str(plan.job_path)}
-    commit = git_commit(Path.cwd())
-    if commit:
-        tags["git_commit"] = tags["mlflow.source.git.commit"] = commit
+    tags = {**standard_tags(plan.job_path, Path.cwd()),
+            "ampflow.sweep": "true", "sweep.presets": presets, "job_file": str(plan.job_path)}
+    if "mlflow.source.git.commit" in tags:
+        tags["git_commit"] = tags["mlflow.source.git.commit"]
     uri = resolve_uri(base.tracking.uri, Path.cwd())
     header = f"# The sweep's common config; precision is each child run's preset ({presets}).\n"
     return RunTracker.start(uri, base, run_name=plan.name, tags=tags, params=params,

@@ -289,6 +289,9 @@ class TrackingSection:
     """MLflow must be reachable at the start (else exit 2); false: train anyway and log once it is back."""
     flush_timeout_s: float = 120.0
     """At the end, how long to keep retrying metrics MLflow has not taken yet before giving up on them."""
+    register_model: Optional[str] = None
+    """Register the logged model as a new version of this registered model (tagged with the preset, the run
+    and its final metrics); a registry that refuses is a warning, never a failed run. Null: not registered."""
 
 
 @dataclass

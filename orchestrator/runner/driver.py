@@ -66,15 +66,14 @@ class RunResult:
 
 
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
-    from orchestrator.tracking.tracker import RunTracker, git_commit
+    from orchestrator.tracking.tracker import RunTracker, standard_tags
 
-    tags = {"preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
+    tags = {**standard_tags(job_path, Path.cwd()),
+            "preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
             "world_size": str(cfg.scaling.num_workers), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
             "job_file": str(job_path), "ray_run_name": run_name}
-    commit = git_commit(Path.cwd())
-    if commit:
-        tags["git_commit"] = commit
-        tags["mlflow.source.git.commit"] = commit
+    if "mlflow.source.git.commit" in tags:
+        tags["git_commit"] = tags["mlflow.source.git.commit"]  # ampflow's own name for it, kept
     if parent_run_id:  # MLflow's UI nests the run under its parent (a sweep)
         tags["mlflow.parentRunId"] = parent_run_id
     return RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
@@ -312,6 +311,13 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
     final_checkpoint = chosen_checkpoint(cfg, result, tracker)
     if cfg.tracking.log_model and final_checkpoint is not None:
         model_uri = log_trained_model(cfg, final_checkpoint, tracker, module_sources)
+    if model_uri is not None and cfg.tracking.register_model:
+        from orchestrator.tracking.tracker import register_model
+
+        register_model(tracker, model_uri, cfg.tracking.register_model,
+                       {"preset": cfg.precision.preset or "custom", "run_id": tracker.run_id,
+                        **{key: f"{value:.6g}" for key, value in tracker.latest_metrics().items()
+                           if key.startswith(("eval/", "train/loss"))}})
     tracker.log_plots(cfg.precision.preset)
     exit_code = EXIT_OK
     if cfg.export.dtype is not None and final_checkpoint is not None:

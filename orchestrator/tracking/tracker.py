@@ -12,7 +12,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -56,12 +58,50 @@ def view_hint(uri: str, experiment_id: str, run_id: str) -> str:
     )
 
 
-def git_commit(directory: Path) -> Optional[str]:
+def _git(directory: Path, *args: str) -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def standard_tags(job_path: Path, directory: Path) -> dict[str, str]:
+    """The tags MLflow's own context providers give a run made by `mlflow.start_run` (`mlflow.user`,
+    `mlflow.source.name` and `.type`, ...), so the UI's header fills in, with the job file as the source and
+    the git commit, branch and remote of the submit directory's checkout (not of ampflow's own code)."""
+    from mlflow.tracking.context.registry import resolve_tags
+
+    tags = {k: v for k, v in resolve_tags().items() if not k.startswith("mlflow.source.git.")}
+    tags.update({"mlflow.source.name": str(job_path), "mlflow.source.type": "LOCAL"})
+    for key, args in (("mlflow.source.git.commit", ("rev-parse", "HEAD")),
+                      ("mlflow.source.git.branch", ("rev-parse", "--abbrev-ref", "HEAD")),
+                      ("mlflow.source.git.repoURL", ("config", "--get", "remote.origin.url"))):
+        value = _git(directory, *args)
+        if value:
+            tags[key] = re.sub(r"//[^/@]+@", "//", value)  # never a token written into a remote's URL
+    return tags
+
+
+def register_model(tracker: "RunTracker", model_uri: str, name: str, tags: dict[str, Any]) -> Optional[str]:
+    """`tracking.register_model`: the logged model as a new version of `name`, tagged; its version, or None
+    with a warning when the registry refuses (the run stands either way)."""
+    import mlflow
+
+    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    try:
+        mlflow.set_tracking_uri(tracker.uri)
+        mlflow.set_registry_uri(tracker.uri)
+        version = mlflow.register_model(model_uri, name, tags=redact_all({k: str(v) for k, v in tags.items()}))
+        tracker.set_tag("registered_model", f"{name}/{version.version}")
+        return str(version.version)
+    except Exception as exc:
+        print(f"warning: could not register the model as '{name}' ({type(exc).__name__}: {redact(str(exc))[:300]}); "
+              "the run and its logged model are kept.", file=sys.stderr)
+        return None
+    finally:
+        mlflow.set_tracking_uri(previous[0])
+        mlflow.set_registry_uri(previous[1])
 
 
 @contextlib.contextmanager

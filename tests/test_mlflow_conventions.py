@@ -1,0 +1,81 @@
+"""Runs read like MLflow runs: the tags MLflow's context providers resolve (who, from which source, which
+commit of the submit directory's checkout) and the model registry, read back with MlflowClient."""
+
+import subprocess
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from conftest import small_job
+from orchestrator.config import load_job
+from orchestrator.tracking.tracker import RunTracker, register_model, standard_tags
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A git checkout with one commit and a remote whose URL carries a token."""
+    repo = tmp_path / "project"
+    repo.mkdir()
+    git = lambda *args: subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True)  # noqa
+    git("init", "-q", "-b", "main")
+    (repo / "job.yaml").write_text("model: {name: simple_cnn}\n")
+    git("add", "job.yaml")
+    git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "first")
+    git("remote", "add", "origin", "https://someone:ghp_token123@example.com/team/project.git")
+    return repo, git("rev-parse", "HEAD").stdout.strip()
+
+
+def test_a_run_carries_mlflows_standard_tags_with_the_submit_directorys_commit(checkout, write_job, mlflow_uri,
+                                                                               monkeypatch):
+    from orchestrator.runner.driver import _start_run
+
+    repo, commit = checkout
+    monkeypatch.chdir(repo)
+    cfg = load_job(write_job(small_job(tracking={"uri": mlflow_uri})))
+    tracker = _start_run(cfg, repo / "job.yaml", mlflow_uri, "tagged")
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(tracker.run_id).data.tags
+    assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["mlflow.source.name"] == str(repo / "job.yaml")
+    assert tags["mlflow.source.git.commit"] == commit == tags["git_commit"]
+    assert tags["mlflow.source.git.branch"] == "main"
+    assert tags["mlflow.source.git.repoURL"] == "https://example.com/team/project.git"  # no token
+    assert tags["preset"] and tags["job_file"] == str(repo / "job.yaml")  # ampflow's own tags stay
+
+
+def test_outside_a_checkout_there_is_no_git_tag(tmp_path):
+    tags = standard_tags(tmp_path / "job.yaml", tmp_path)
+    assert tags["mlflow.source.name"] == str(tmp_path / "job.yaml")
+    assert not [key for key in tags if key.startswith("mlflow.source.git.")]
+
+
+def _run_with_a_logged_model(uri: str, write_job, name: str) -> tuple[RunTracker, str]:
+    cfg = load_job(write_job(small_job(tracking={"uri": uri}), f"{name}.yaml"))
+    tracker = RunTracker.start(uri, cfg, run_name=name, tags={}, params={}, config_yaml="")
+    tracker.log_model(torch.nn.Linear(4, 2).eval(), torch.zeros(2, 4).numpy())
+    return tracker, f"runs:/{tracker.run_id}/model"
+
+
+def test_register_model_adds_a_version_per_run_tagged_with_the_run(write_job, mlflow_uri):
+    for expected in ("1", "2"):
+        tracker, uri = _run_with_a_logged_model(mlflow_uri, write_job, f"run{expected}")
+        assert register_model(tracker, uri, "digits-cnn", {"preset": "O1", "run_id": tracker.run_id,
+                                                           "eval/accuracy": "0.95"}) == expected
+        version = MlflowClient(tracking_uri=mlflow_uri).get_model_version("digits-cnn", expected)
+        assert version.run_id == tracker.run_id and version.tags["preset"] == "O1"
+        assert version.tags["eval/accuracy"] == "0.95"
+
+
+def test_a_registry_that_refuses_is_a_warning_not_a_failure(write_job, mlflow_uri, monkeypatch, capsys):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    tracker, uri = _run_with_a_logged_model(mlflow_uri, write_job, "refused")
+
+    def no_registry(*args, **kwargs):
+        raise MlflowException("this tracking server has no model registry")
+
+    monkeypatch.setattr(mlflow, "register_model", no_registry)
+    assert register_model(tracker, uri, "digits-cnn", {}) is None
+    assert "could not register the model as 'digits-cnn'" in capsys.readouterr().err
+    assert "registered_model" not in MlflowClient(tracking_uri=mlflow_uri).get_run(tracker.run_id).data.tags
