@@ -112,7 +112,10 @@ def test_worker_exception_exits_1_reports_it_first_and_fails_the_run(
     ray_session, tmp_path, monkeypatch, capsys, write_job, mlflow_uri
 ):
     job = small_job(model={"name": "user_nets_bad:Net"}, tracking={"uri": mlflow_uri, "experiment": "broken"})
-    job["_source"] = CUSTOM_MODEL.format(name="Net", forward="raise ValueError('forward exploded on purpose')")
+    # It fails only when training, on the workers: pre-flight's eval-mode forward of two samples passes.
+    job["_source"] = CUSTOM_MODEL.format(
+        name="Net", forward="if self.training:\n            raise ValueError('forward exploded on purpose')\n"
+                            "        return self.body(x)")
     rc, out = _submit_in(tmp_path, monkeypatch, capsys, write_job, "user_nets_bad", job)
     assert rc == 1
     failure = out.err[out.err.index("training failed:"):]
