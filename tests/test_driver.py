@@ -1,4 +1,7 @@
-"""The driver closes the MLflow run it created whatever fails after it (here: Ray cannot be reached)."""
+"""The driver closes the MLflow run it created whatever fails after it: Ray unreachable, and a failure injected
+at each stage (with Ray faked) ends FAILED; an interrupt ends KILLED."""
+
+from types import SimpleNamespace
 
 import pytest
 from mlflow import MlflowClient
@@ -67,8 +70,32 @@ def _raise(what):
 STAGES = ["write_record", "relay", "writer_start", "build_trainer", "fit", "writer_close", "log_plots"]
 
 
+@pytest.fixture
+def planned(write_job, tmp_path, monkeypatch):
+    """A planned run (`.plan`, its MLflow run created) whose Ray is faked: no cluster, a relay that reports nothing, and
+    the trainer `use_trainer(trainer)` says (by default one whose fit() returns a run without checkpoints)."""
+    import orchestrator.runner.launch as launch
+    import orchestrator.tracking.relay as relay
+    import orchestrator.tracking.writer as writer
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
+                              checkpoint={"storage_path": str(tmp_path / "ray_results")}))
+    plan = driver.plan_run(load_job(job), job, None, RunChoice("stages"))
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
+    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
+    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
+
+    def use_trainer(trainer) -> None:
+        monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: trainer)
+
+    use_trainer(_FakeTrainer(False))
+    status = lambda: MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status  # noqa: E731
+    return SimpleNamespace(plan=plan, use_trainer=use_trainer, status=status)
+
+
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, tmp_path, monkeypatch):
+def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, planned, monkeypatch):
     """Stage by stage after plan_run created the MLflow run: the error propagates (the CLI turns it into exit 1)
     and the run, with its record in storage once written, ends FAILED, never RUNNING."""
     import orchestrator.runner.launch as launch
@@ -77,16 +104,12 @@ def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, t
     from orchestrator.runner import records
     from orchestrator.tracking.tracker import RunTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    storage = tmp_path / "ray_results"
-    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
-                              checkpoint={"storage_path": str(storage)}))
-    plan = driver.plan_run(load_job(job), job, None, RunChoice("stages"))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
-    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
-    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_raise("relay") if stage == "relay" else _FakeRelay))
-    monkeypatch.setattr(launch, "build_trainer",
-                        _raise("build_trainer") if stage == "build_trainer" else lambda *a, **k: _FakeTrainer(stage == "fit"))
+    if stage == "relay":
+        monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_raise("relay")))
+    if stage == "build_trainer":
+        monkeypatch.setattr(launch, "build_trainer", _raise("build_trainer"))
+    if stage == "fit":
+        planned.use_trainer(_FakeTrainer(True))
     if stage == "write_record":
         monkeypatch.setattr(records, "write_record", _raise("write_record"))
     if stage == "writer_start":
@@ -103,53 +126,30 @@ def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, write_job, t
         monkeypatch.setattr(RunTracker, "log_plots", _raise("log_plots"))
 
     with pytest.raises(RuntimeError, match=f"injected: {stage}"):
-        driver.execute(plan)
-    assert MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status == "FAILED"
+        driver.execute(planned.plan)
+    assert planned.status() == "FAILED"
     if stage != "write_record":
-        assert records.read_record(str(storage), "stages")["status"] == "FAILED"
+        assert records.read_record(planned.plan.cfg.checkpoint.storage_path, "stages")["status"] == "FAILED"
 
 
-def test_a_run_that_ends_well_with_fakes_is_finished(write_job, tmp_path, monkeypatch):
+def test_a_run_that_ends_well_with_fakes_is_finished(planned):
     """The stage test's fakes do not fail by themselves: with nothing injected the run ends FINISHED."""
-    import orchestrator.runner.launch as launch
-    import orchestrator.tracking.relay as relay
-    import orchestrator.tracking.writer as writer
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
-                              checkpoint={"storage_path": str(tmp_path / "ray_results")}))
-    plan = driver.plan_run(load_job(job), job, None, RunChoice("fine"))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
-    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
-    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
-    monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: _FakeTrainer(False))
-    assert driver.execute(plan) == 0
-    assert MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status == "FINISHED"
+    assert driver.execute(planned.plan) == 0
+    assert planned.status() == "FINISHED"
 
 
-def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resume(write_job, tmp_path, monkeypatch):
+def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resume(planned):
     import signal
 
-    import orchestrator.runner.launch as launch
-    import orchestrator.tracking.relay as relay
-    import orchestrator.tracking.writer as writer
     from orchestrator.errors import Interrupted
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
-                              checkpoint={"storage_path": str(tmp_path / "ray_results")}))
-    plan = driver.plan_run(load_job(job), job, None, RunChoice("stopped"))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
-    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
-    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
 
     class Stopped(_FakeTrainer):
         def fit(self):
             raise SystemExit(0)  # what Ray Train's SIGINT handler raises inside fit()
 
-    monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: Stopped(False))
+    planned.use_trainer(Stopped(False))
     with pytest.raises(Interrupted) as caught:
-        driver.execute(plan)
+        driver.execute(planned.plan)
     assert caught.value.signum == signal.SIGINT and caught.value.exit_code == 130
-    assert f"python -m orchestrator.submit {job} --resume" in caught.value.describe()
-    assert MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status == "KILLED"
+    assert f"python -m orchestrator.submit {planned.plan.job_path} --resume" in caught.value.describe()
+    assert planned.status() == "KILLED"
