@@ -82,10 +82,10 @@ def _submit(args: argparse.Namespace) -> int:
         if not to_cluster:
             return api.train(job_path, args.overrides, args.address, resume=args.resume)[1]
         preflight([load_job(job_path, args.overrides)], job_path, args.address, resume=args.resume)
-    except BadInput as exc:
+        return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
+    except BadInput as exc:  # also the job server's refusals (no token, a job file outside the project)
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
 
 
 if __name__ == "__main__":
