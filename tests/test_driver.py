@@ -138,6 +138,30 @@ def test_a_run_that_ends_well_with_fakes_is_finished(planned):
     assert planned.status() == "FINISHED"
 
 
+def test_the_console_s_final_line_is_the_last_step_even_when_it_reached_the_relay_as_fit_returned(
+        planned, monkeypatch, capsys):
+    """The last report sits in the relay when fit() returns (the writer polls it once a second): the progress
+    line's final print comes after the writer took it."""
+    import orchestrator.tracking.relay as relay
+
+    queue: list = []
+
+    class QueueRelay(_FakeRelay):
+        def __init__(self):
+            super().__init__()
+            self.take = type("Take", (), {"remote": staticmethod(lambda: [queue.pop(0) for _ in list(queue)])})()
+
+    class ReportsAtTheEnd(_FakeTrainer):
+        def fit(self):
+            queue.append(({"step": 4, "epoch": 1, "epochs": 1, "total_steps": 4, "train/loss": 0.5, "seq": 1}, []))
+            return _FakeResult()
+
+    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(QueueRelay))
+    planned.use_trainer(ReportsAtTheEnd(False))
+    assert driver.execute(planned.plan) == 0
+    assert "epoch 1/1 | step 4/4 | loss 0.5000" in capsys.readouterr().err
+
+
 def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resume(planned):
     import signal
 

@@ -237,12 +237,13 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
                                 worker_runtime_env=worker_runtime_env, run_id=run_id, launched_at=launched_at)
         failure = None
-        try:
-            with ConsoleProgress(lambda: writer.newest):
+        with ConsoleProgress(lambda: writer.newest):
+            try:
                 result = trainer.fit()
-        except TrainingFailedError as exc:
-            failure = exc
-        tracker = end.flush(cfg.tracking.flush_timeout_s)
+            except TrainingFailedError as exc:
+                failure = exc
+            # Inside the progress line: the writer takes the relay's last reports, so the final line is the last step.
+            tracker = end.flush(cfg.tracking.flush_timeout_s)
         if tracker is not None and tracker.run_id != run_id:
             records.write_record(storage, plan.run_name, run_id=tracker.run_id)
         if failure is not None:
