@@ -7,7 +7,9 @@ model, weights, batches and optimizer):
   (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector and read
   once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step overflows)
   and `after_step` (the loss `Window` among it), and every `--log-every` steps a report made of the
-  loop's own `scale_telemetry` and `read_window`. On Ray the report then goes to `ray.train.report`; here it goes to a list,
+  loop's own `scale_telemetry` and `read_window`, with the system metrics sampler running
+  (`orchestrator.train.system`, every `--system-metrics-interval` seconds, its samples taken with
+  each report). On Ray the report then goes to `ray.train.report`; here it goes to a list,
   because what happens after is Ray's cost and MLflow's, not the loop's.
 - `none`: `torch.autocast` + `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`.
 
@@ -70,6 +72,9 @@ def main(argv=None) -> int:
                                               "100 on cuda; 10 with --smoke)")
     cli.add_argument("--warmup", type=int, help="untimed steps per candidate (default 40; 10 with --smoke)")
     cli.add_argument("--no-mlflow", action="store_true", help="skip the MLflow writer measurement")
+    cli.add_argument("--system-metrics-interval", type=float, default=1.0,
+                     help="seconds between system metric samples during the run (tracking.system_metrics_interval_s; "
+                          "default 1, ten times as often as a job's default; 0: off)")
     args = cli.parse_args(argv)
     device = common.chosen_device(args)
     if device is None:
@@ -83,6 +88,7 @@ def main(argv=None) -> int:
 
     from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     from orchestrator.train.models import build_model
+    from orchestrator.train.system import SystemSampler, start_sampler
     from orchestrator.train.training import build_training
 
     torch.manual_seed(0)
@@ -111,11 +117,14 @@ def main(argv=None) -> int:
         nonlocal global_step
         inputs, targets = next(full_batches)
         global_step += 1
+        if sampler is not None:
+            sampler.step = global_step
         loss, outcome = loop.train_step(training, inputs, targets, device, global_step)
         loop.after_step(training, loss, outcome, targets.numel(), window, {})
         if global_step % args.log_every == 0:  # the worker's periodic report, minus ray.train.report itself
             sink.append({"step": global_step, **loop.scale_telemetry(training),
-                         **loop.read_window(training, window, global_step)})
+                         **loop.read_window(training, window, global_step),
+                         "system_samples": sampler.take() if sampler is not None else []})
 
     def bare_step() -> None:
         inputs, targets = next(bare_batches)
@@ -126,8 +135,21 @@ def main(argv=None) -> int:
         bare_scaler.step(bare_opt)
         bare_scaler.update()
 
-    times = common.interleaved({"full": full_step, "none": bare_step}, warmup=warmup, repeats=repeats, steps=steps,
-                               sync=common.synchronize(device))
+    # The sampler's thread runs all along: its wake-ups land in both candidates' rounds, so its own cost is
+    # measured apart below (per sample); `full` pays its per-step part (the step it samples at) and the take.
+    sampler = start_sampler(0, device, args.system_metrics_interval)
+    try:
+        times = common.interleaved({"full": full_step, "none": bare_step}, warmup=warmup, repeats=repeats,
+                                   steps=steps, sync=common.synchronize(device))
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    samples_taken = sum(len(report["system_samples"]) for report in sink)
+    probe = sampler or SystemSampler(0, device, 1.0)  # not started: only its reading is timed
+    sample_started = time.perf_counter()
+    for _ in range(20):
+        probe.sample()
+    sample_ms = (time.perf_counter() - sample_started) / 20 * 1e3
     med = {name: common.median(values) for name, values in times.items()}
 
     # Overflow attribution only runs on a skipped step: time it apart, on a real gradient with one inf.
@@ -155,8 +177,12 @@ def main(argv=None) -> int:
                "full_ms_per_step_repeats": [t * 1e3 for t in times["full"]],
                "none_ms_per_step_repeats": [t * 1e3 for t in times["none"]],
                "overflow_attribution_ms": attribution_ms,
-               "skipped_steps_full": training.precision.guard.counters.skipped_steps, "reports": len(sink)}
+               "skipped_steps_full": training.precision.guard.counters.skipped_steps, "reports": len(sink),
+               "system_metrics_interval_s": args.system_metrics_interval, "system_samples_taken": samples_taken,
+               "system_sample_ms": sample_ms}
     print(f"overflow attribution (skipped steps only): {attribution_ms:.3g} ms")
+    print(f"system metrics: {samples_taken} samples during the run; one sample takes {sample_ms:.3g} ms on the "
+          f"sampler's thread (every 10 s by default: {sample_ms / 100:.2g}% of one core)")
     if not args.no_mlflow:
         writer = time_mlflow_writer(sink or [{"train/loss": 0.0}], repeats=6 if args.smoke else 30)
         figures.update({"mlflow_ms_per_report": writer["median_s"] * 1e3,

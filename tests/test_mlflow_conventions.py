@@ -2,6 +2,8 @@
 commit of the submit directory's checkout) and the model registry, read back with MlflowClient."""
 
 import subprocess
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -79,3 +81,62 @@ def test_a_registry_that_refuses_is_a_warning_not_a_failure(write_job, mlflow_ur
     assert register_model(tracker, uri, "digits-cnn", {}) is None
     assert "could not register the model as 'digits-cnn'" in capsys.readouterr().err
     assert "registered_model" not in MlflowClient(tracking_uri=mlflow_uri).get_run(tracker.run_id).data.tags
+
+
+def _inputs(uri: str, run_id: str) -> dict[str, tuple[str, Any]]:
+    """context -> (digest, dataset) of the run's dataset inputs."""
+    by_context = {}
+    for item in MlflowClient(tracking_uri=uri).get_run(run_id).inputs.dataset_inputs:
+        context = {tag.key: tag.value for tag in item.tags}["mlflow.data.context"]
+        by_context[context] = (item.dataset.digest, item.dataset)
+    return by_context
+
+
+def test_the_run_lists_its_train_and_eval_sets_with_digests_sizes_and_shapes(write_job, mlflow_uri, monkeypatch,
+                                                                            tmp_path):
+    """Pre-flight describes the data it builds anyway; the run created from it lists both sets. The digest is the
+    same for the same data (random augmentation included) and changes with the data."""
+    import json
+
+    from orchestrator.runner.driver import plan_run
+    from orchestrator.runner.preflight import preflight
+
+    monkeypatch.chdir(tmp_path)
+    job = write_job(small_job(tracking={"uri": mlflow_uri}, checkpoint={"storage_path": str(tmp_path / "runs")}))
+
+    def planned(*overrides):
+        cfg = load_job(job, list(overrides))
+        return plan_run(cfg, job, None, preflight([cfg], job, None).runs[0])
+
+    run_id = planned().tracker.run_id
+    inputs = _inputs(mlflow_uri, run_id)
+    assert sorted(inputs) == ["eval", "train"]
+    train, evaluation = inputs["train"][1], inputs["eval"][1]
+    assert train.name == evaluation.name == "digits" and train.digest != evaluation.digest
+    assert json.loads(train.profile) == {"num_samples": 1437, "sample_shape": [3, 32, 32]}
+    assert json.loads(evaluation.profile)["num_samples"] == 360
+    assert json.loads(train.schema)["mlflow_tensorspec"]["features"]  # a tensor schema the UI shows
+
+    assert _inputs(mlflow_uri, planned("run.name=again").tracker.run_id)["train"][0] == train.digest
+    other = _inputs(mlflow_uri, planned("run.name=other", "data.name=synthetic", "data.synthetic_samples=512").
+                    tracker.run_id)
+    assert other["train"][0] != train.digest and json.loads(other["train"][1].profile)["num_samples"] == 512
+
+
+def test_a_randomly_augmented_set_has_one_digest():
+    from torch.utils.data import Dataset
+
+    from orchestrator.tracking.lineage import describe
+
+    class Flipping(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            x = torch.arange(16.0).reshape(1, 4, 4) + index
+            return (x.flip(-1) if torch.rand(()) < 0.5 else x), index
+
+    data_cfg = SimpleNamespace(name="tests_data:flipping", root="data")
+    first, second = describe(data_cfg, [("train", Flipping())]), describe(data_cfg, [("train", Flipping())])
+    assert first[0].digest == second[0].digest and first[0].input_shape == [1, 4, 4]
+    assert first[0].source_type == "code"

@@ -100,3 +100,26 @@ def test_an_mlflow_that_does_not_answer_at_the_end_is_reported_not_raised(monkey
     records.close_run(gone, "FAILED", timeout_s=0)
     err = capsys.readouterr().err
     assert f"could not mark MLflow run {'c' * 32} FAILED" in err and "rerun --resume" in err
+
+
+def test_system_samples_of_every_rank_are_logged_at_their_own_time_once_even_when_sent_again(tracker):
+    """Two ranks' samples ride on one report; a resumed run sends rank 1's again (and a newer one): each sample is
+    logged once, at the step and time it was taken, whatever the report's own step."""
+    first = MlflowWriter(relay=None, tracker=tracker)
+    samples = [{"t": 1_000_000, "step": 1, "m": {"system/rank_0/cpu_utilization_percentage": 50.0}},
+               {"t": 1_000_005, "step": 1, "m": {"system/rank_1/cpu_utilization_percentage": 70.0}},
+               {"t": 1_010_000, "step": 1, "m": {"system/rank_1/cpu_utilization_percentage": 75.0}}]
+    first.enqueue({"step": 2, "seq": 1, "train/loss": 0.9, "system_samples": samples}, [])
+    assert first._flush(force=True)
+
+    resumed = MlflowWriter(relay=None, tracker=RunTracker.open(tracker.uri, tracker.run_id))
+    resumed.resume_from_run()
+    again = samples[1:] + [{"t": 1_020_000, "step": 3, "m": {"system/rank_1/cpu_utilization_percentage": 80.0}}]
+    resumed.enqueue({"step": 4, "seq": 2, "train/loss": 0.8, "system_samples": again}, [])
+    assert resumed._flush(force=True)
+    history = lambda key: [(m.step, m.timestamp, m.value) for m in tracker.metric_history(key)]  # noqa: E731
+    assert history("system/rank_0/cpu_utilization_percentage") == [(1, 1_000_000, 50.0)]
+    assert sorted(history("system/rank_1/cpu_utilization_percentage")) == \
+        [(1, 1_000_005, 70.0), (1, 1_010_000, 75.0), (3, 1_020_000, 80.0)]
+    assert "system_samples" not in {a.path for a in MlflowClient(tracking_uri=tracker.uri).list_artifacts(
+        tracker.run_id)}  # bookkeeping, not a JSON artifact

@@ -32,6 +32,8 @@ CASES = {
     "batch_size_zero": (small_job(run={"batch_size": 0}), [], "run.batch_size: must be >= 1"),
     "lr_nan": (small_job(), ["optim.lr=nan"], "optim.lr: must be a finite number"),
     "lr_inf": (small_job(), ["optim.lr=inf"], "optim.lr: must be a finite number"),
+    "system_metrics_interval_negative": (small_job(), ["tracking.system_metrics_interval_s=-1"],
+                                         "tracking.system_metrics_interval_s: must be 0 (off)"),
     "lr_negative": (small_job(optim={"lr": -0.01}), [], "optim.lr: must be a finite number >= 0"),
     "unknown_preset": (small_job(precision={"preset": "O4"}), [], "unknown preset 'O4'"),
     "rule_bad_dtype": (small_job(precision={"rules": [{"match": "Linear", "dtype": "float8"}]}), [],

@@ -30,7 +30,7 @@ def only_run(uri: str, experiment: str):
 def test_quickstart_two_workers_fp16_reaches_90_percent(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.submit", "jobs/quickstart.yaml",
+        [sys.executable, "-m", "orchestrator.submit", "jobs/quickstart.yaml", "tracking.system_metrics_interval_s=1",
          f"tracking.uri={uri}", f"checkpoint.storage_path={tmp_path / 'ray_results'}"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**os.environ, "MLFLOW_TRACKING_URI": "sqlite:////nonexistent/should-not-be-used.db"},
@@ -69,6 +69,18 @@ def test_quickstart_two_workers_fp16_reaches_90_percent(tmp_path):
     assert artifacts == {"config/job.yaml"}
     logged = client.search_logged_models([run.info.experiment_id])
     assert len(logged) == 1 and logged[0].source_run_id == run.info.run_id
+
+    # What MLflow's UI shows beside the metrics: who ran it from where, on which data, and each rank's system.
+    assert run.data.tags["mlflow.user"] and run.data.tags["mlflow.source.name"] == "jobs/quickstart.yaml"
+    assert "mlflow.source.git.commit" in run.data.tags or not (REPO / ".git").exists()
+    contexts = {tag.value for item in run.inputs.dataset_inputs for tag in item.tags
+                if tag.key == "mlflow.data.context"}
+    assert contexts == {"train", "eval"} and all(item.dataset.digest for item in run.inputs.dataset_inputs)
+    for rank in (0, 1):
+        cpu = client.get_metric_history(run.info.run_id, f"system/rank_{rank}/cpu_utilization_percentage")
+        rss = client.get_metric_history(run.info.run_id, f"system/rank_{rank}/memory_rss_megabytes")
+        assert len(cpu) >= 2 and len(rss) >= 2, f"rank {rank} sampled {len(cpu)} time(s)"
+        assert all(0 <= m.value <= 100 * os.cpu_count() for m in cpu) and all(m.value > 0 for m in rss)
 
 
 CUSTOM_MODEL = """

@@ -119,6 +119,9 @@ def validate(cfg: DictConfig, source: str) -> None:
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
     r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")
+    interval = cfg.tracking.system_metrics_interval_s
+    r(interval == 0 or (math.isfinite(interval) and interval >= 0.1), "tracking.system_metrics_interval_s",
+      f"must be 0 (off) or a finite number of seconds >= 0.1, got {interval}.")
     export_dtype = cfg.export.dtype
     r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")

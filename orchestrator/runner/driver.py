@@ -45,6 +45,8 @@ class RunPlan:
     """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
     result: Optional["RunResult"] = None
     """How the run ended, once `execute` has run it (what `orchestrator.run()` returns)."""
+    datasets: Sequence = ()
+    """The train and eval sets' lineage, for a run created once MLflow answers (`RunChoice.datasets`)."""
 
 
 @dataclass
@@ -65,7 +67,8 @@ class RunResult:
     """Why it FAILED: the worker's exception first."""
 
 
-def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None):
+def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None,
+               datasets: Sequence = ()):
     from orchestrator.tracking.tracker import RunTracker, standard_tags
 
     tags = {**standard_tags(job_path, Path.cwd()),
@@ -76,7 +79,10 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
         tags["git_commit"] = tags["mlflow.source.git.commit"]  # ampflow's own name for it, kept
     if parent_run_id:  # MLflow's UI nests the run under its parent (a sweep)
         tags["mlflow.parentRunId"] = parent_run_id
-    return RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
+    tracker = RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
+    if datasets:
+        tracker.log_datasets(datasets)
+    return tracker
 
 
 def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice,
@@ -99,7 +105,7 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
             tracker = RunTracker.open(uri, run.mlflow_run_id)
             tracker.reopen()
         else:
-            tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id)
+            tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id, run.datasets)
     except BaseException as exc:
         if isinstance(exc, TrackingUnavailable) and not cfg.tracking.required:
             tracker = None
@@ -110,7 +116,7 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
     if tracker is None:
         print(f"warning: MLflow at {redact(uri)} cannot be reached; training anyway (tracking.required: false). "
               "The run is created and filled in once it answers.", file=sys.stderr)
-    return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id)
+    return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id, datasets=run.datasets)
 
 
 def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tuple[bool, Optional[dict]]:
@@ -229,7 +235,8 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         relay = ReportRelay.remote()
         writer = end.writer = MlflowWriter(
             relay, plan.tracker,
-            start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id),
+            start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id,
+                                         plan.datasets),
             on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq))
         if plan.resume and plan.tracker is not None:
             writer.resume_from_run()

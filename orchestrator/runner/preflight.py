@@ -1,9 +1,9 @@
 """The one pre-flight of `submit`, `sweep` and remote submission: everything that can refuse a job (exit 2)
 before Ray starts, an MLflow run exists or anything reaches a cluster.
 
-In order: the data can be had, the model builds (on the CPU here) and takes the data's samples, the
-precision lint, the `faults`
-section fits the model, this machine can hold the workers, and which run it is (a new name that is not
+In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
+also describes the data for the run's MLflow dataset inputs), the precision lint, the `faults` section fits
+the model, this machine can hold the workers, and which run it is (a new name that is not
 taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
 A sweep passes one config per preset: the lint and the run name are checked for each, the rest once on
 the first (only the precision section differs between them). A job for a remote job server skips what
@@ -15,7 +15,7 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,6 +33,8 @@ class RunChoice:
     """Continue the interrupted run of this name (`--resume`) rather than start one."""
     mlflow_run_id: Optional[str] = None
     """The resumed run's MLflow run, when it had one (MLflow may have been down all through it)."""
+    datasets: list = field(default_factory=list)
+    """The train and eval sets it reads (`DatasetLineage`s), logged as the MLflow run's dataset inputs."""
 
 
 @dataclass
@@ -59,8 +61,9 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     if not to_job_server:  # a remote job reads its data on the cluster, which checks it there
         data.ensure_available(base.data)
     model = models.build_model(base.model)  # a broken model fails here, before Ray starts
+    lineage: dict[str, list] = {}  # per distinct data section (a sweep's children usually share one)
     if not to_job_server:
-        check_data_fits_model(base, model)
+        lineage[repr(base.data)] = check_data_fits_model(base, model)
     for cfg in configs:
         check_lint(cfg, model)
     faults.check(base.faults, model)
@@ -70,18 +73,32 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
         for storage in dict.fromkeys(cfg.checkpoint.storage_path for cfg in configs):
             check_storage_writable(storage)
     runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
+    for cfg, run in zip(configs, runs):
+        if repr(cfg.data) not in lineage:
+            lineage[repr(cfg.data)] = describe_data(cfg)
+        run.datasets = lineage[repr(cfg.data)]
     return Preflight(model, runs)
 
 
-def check_data_fits_model(cfg: DictConfig, model) -> None:
+def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None) -> list:
+    """The lineage of the job's train and eval sets (built from the config unless given)."""
+    from orchestrator.tracking.lineage import describe
+    from orchestrator.train.data import build_datasets
+
+    train, evaluation = datasets or build_datasets(cfg.data, cfg.model.num_classes)
+    return describe(cfg.data, [("train", train), ("eval", evaluation)])
+
+
+def check_data_fits_model(cfg: DictConfig, model) -> list:
     """Two samples of the training set through the model on the CPU: a model that cannot take the data's shape,
-    or whose outputs do not match the number of classes the data has, is refused naming both."""
+    or whose outputs do not match the number of classes the data has, is refused naming both. Returns the
+    data's lineage (`describe_data`)."""
     import torch
 
     from orchestrator.train.data import build_datasets
     from orchestrator.train.modes import eval_mode
 
-    train, _ = build_datasets(cfg.data, cfg.model.num_classes)
+    train, evaluation = build_datasets(cfg.data, cfg.model.num_classes)
     if len(train) == 0:
         raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
     samples = [train[i] for i in range(min(2, len(train)))]
@@ -99,6 +116,7 @@ def check_data_fits_model(cfg: DictConfig, model) -> None:
             and outputs.shape[1] != len(classes):
         raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
+    return describe_data(cfg, (train, evaluation))
 
 
 def check_lint(cfg: DictConfig, model) -> None:

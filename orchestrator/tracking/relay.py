@@ -12,6 +12,7 @@ import ray
 from ray.train import UserCallback
 
 from orchestrator.train.step import OVERFLOW_LOG  # noqa: F401  (every rank's skipped-step records)
+from orchestrator.train.system import SYSTEM_SAMPLES
 
 
 @ray.remote(num_cpus=0)
@@ -28,12 +29,21 @@ class ReportRelay:
 
 
 class RelayCallback(UserCallback):
-    """Forwards rank 0's report (metrics already reduced over all ranks) and every rank's overflow records."""
+    """Forwards rank 0's report (metrics already reduced over all ranks), with every rank's system samples, and
+    every rank's overflow records."""
 
     def __init__(self, relay):
         self.relay = relay
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        overflow = [record for rank_metrics in metrics for record in rank_metrics.get(OVERFLOW_LOG, [])]
-        report = {k: v for k, v in metrics[0].items() if k != OVERFLOW_LOG}
-        self.relay.push.remote(report, overflow)
+        self.relay.push.remote(*merge_ranks(metrics))
+
+
+def merge_ranks(metrics: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(rank 0's report with all ranks' system samples, all ranks' overflow records) from each rank's report."""
+    overflow = [record for rank_metrics in metrics for record in rank_metrics.get(OVERFLOW_LOG, [])]
+    report = {k: v for k, v in metrics[0].items() if k not in (OVERFLOW_LOG, SYSTEM_SAMPLES)}
+    samples = [sample for rank_metrics in metrics for sample in rank_metrics.get(SYSTEM_SAMPLES, [])]
+    if samples:
+        report[SYSTEM_SAMPLES] = samples
+    return report, overflow

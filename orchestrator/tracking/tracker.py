@@ -10,6 +10,7 @@ logged is redacted in one place (`orchestrator.tracking.secrets`).
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
@@ -18,12 +19,15 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
 from orchestrator.tracking.secrets import redact, redact_all
+
+if TYPE_CHECKING:
+    from orchestrator.tracking.lineage import DatasetLineage
 
 logger = logging.getLogger("ampflow.tracking")
 
@@ -194,8 +198,6 @@ class RunTracker:
 
     def load_json(self, artifact_path: str) -> Any:
         """A JSON artifact of the run, or None when it has none at that path."""
-        import json
-
         folder = artifact_path.rpartition("/")[0] or None
         if not any(a.path == artifact_path for a in self._client.list_artifacts(self.run_id, folder)):
             return None
@@ -233,6 +235,27 @@ class RunTracker:
 
     def set_tag(self, key: str, value: str) -> None:
         self._client.set_tag(self.run_id, key, redact(value))
+
+    def log_datasets(self, datasets: Sequence["DatasetLineage"]) -> None:
+        """The run's dataset inputs (`orchestrator.tracking.lineage`): each with its context, a tensor schema
+        and a profile of its size and sample shape."""
+        import numpy as np
+        from mlflow.data.schema import TensorDatasetSchema
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.types import Schema, TensorSpec
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        def spec(dtype: str, shape: list[int]) -> Schema:
+            return Schema([TensorSpec(np.dtype(dtype), (-1, *shape))])
+
+        inputs = []
+        for d in datasets:
+            schema = TensorDatasetSchema(spec(d.input_dtype, d.input_shape), spec(d.target_dtype, d.target_shape))
+            profile = {"num_samples": d.num_samples, "sample_shape": d.input_shape}
+            entity = Dataset(d.name, d.digest, d.source_type, redact(d.source), json.dumps(schema.to_dict()),
+                             json.dumps(profile))
+            inputs.append(DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, d.context)]))
+        self._client.log_inputs(self.run_id, datasets=inputs)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Several tags in one batch; values as text, cut to MLflow's 5000 characters."""
@@ -283,10 +306,11 @@ class RunTracker:
         """Every value logged for `key` (MLflow `Metric`s, in no promised order; [] when never logged)."""
         return list(self._client.get_metric_history(self.run_id, key))
 
-    def last_steps(self) -> dict[str, int]:
-        """Each metric's highest logged step: where a resumed run's metrics go on from."""
-        return {key: max(m.step for m in self.metric_history(key))
-                for key in self._client.get_run(self.run_id).data.metrics}
+    def metric_ends(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Each metric's highest logged step and newest timestamp (ms): where a resumed run's metrics go on from."""
+        histories = {key: self.metric_history(key) for key in self._client.get_run(self.run_id).data.metrics}
+        return ({key: max(m.step for m in history) for key, history in histories.items()},
+                {key: max(m.timestamp for m in history) for key, history in histories.items()})
 
     def run_info(self):
         """The run's MLflow `RunInfo`: status, start_time and end_time (ms), names."""

@@ -2,7 +2,8 @@
 
 A thread drains the report relay every second and applies what it got to the run: metrics
 (each metric at most once per step: repeats after a restart, or an epoch-end report at the step
-of the report before it, are dropped), tags, JSON artifacts, and the merged overflow log. When
+of the report before it, are dropped), every rank's system samples (each at its own time, at most
+once), tags, JSON artifacts, and the merged overflow log. When
 MLflow is down the records wait in memory (training never waits) and are backfilled, with their
 original timestamps, once it answers again. With `tracking.required: false` the run itself may
 be created late the same way. Everything goes through the run's `RunTracker`, which redacts it.
@@ -18,13 +19,13 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from orchestrator.tracking.relay import OVERFLOW_LOG
+from orchestrator.tracking.relay import OVERFLOW_LOG, SYSTEM_SAMPLES
 
 logger = logging.getLogger("ampflow.tracking")
 
-CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags", "warnings", "seq", "replay"}
-"""Keys of a report that are bookkeeping (progress line, tags, warnings, numbering, reports sent again), not
-metrics."""
+CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags", "warnings", "seq", "replay", SYSTEM_SAMPLES}
+"""Keys of a report that are bookkeeping (progress line, tags, warnings, numbering, reports sent again, the
+ranks' system samples, logged each at its own time), not metrics."""
 
 LOGGED_EVERY_S = 2.0
 """How often, at most, the writer tells storage how far it has logged (`on_logged`)."""
@@ -54,6 +55,8 @@ class MlflowWriter:
         self.on_logged, self.logged_seq, self._told_seq, self._told_at = on_logged, 0, 0, 0.0
         self.pending: deque[tuple[str, Any]] = deque()
         self.last_step: dict[str, int] = {}
+        self.last_time: dict[str, int] = {}
+        """Each system metric's newest logged timestamp (ms): its samples are logged once, by time."""
         self.overflow_log: list[dict[str, Any]] = []
         self.newest: dict[str, Any] = {}
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
@@ -66,7 +69,7 @@ class MlflowWriter:
 
     def resume_from_run(self) -> None:
         """Continue a run: its metrics' last steps and its overflow log, so nothing is logged twice."""
-        self.last_step = self.tracker.last_steps()
+        self.last_step, self.last_time = self.tracker.metric_ends()
         self.overflow_log = self.tracker.load_json(f"{OVERFLOW_LOG}.json") or []
 
     def start(self) -> "MlflowWriter":
@@ -125,6 +128,8 @@ class MlflowWriter:
         metrics = {key: float(value) for key, value in report.items()
                    if key not in CONTROL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
         self.pending.append(("metrics", (int(report["step"]), timestamp, metrics, int(report.get("seq", 0)))))
+        for sample in report.get(SYSTEM_SAMPLES, []):
+            self.pending.append(("system", (int(sample["step"]), int(sample["t"]), sample["m"])))
         if report.get("tags"):
             self.pending.append(("tags", report["tags"]))
         for key, value in report.items():
@@ -170,6 +175,12 @@ class MlflowWriter:
                 self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
             self.last_step.update(dict.fromkeys(fresh, step))
             self.logged_seq = max(self.logged_seq, seq)
+        elif kind == "system":
+            step, timestamp, metrics = payload
+            fresh = {key: value for key, value in metrics.items() if timestamp > self.last_time.get(key, -1)}
+            if fresh:
+                self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
+            self.last_time.update(dict.fromkeys(fresh, timestamp))
         elif kind == "tags":
             self.tracker.set_tags(payload)
         elif kind == "json":

@@ -36,6 +36,7 @@ from orchestrator.train.step import (
     read_window, recover_from_collapse, scale_telemetry,
 )
 from orchestrator.train.stopping import EarlyStopping
+from orchestrator.train.system import SYSTEM_SAMPLES, start_sampler
 from orchestrator.train.training import Training, Wrap, build_training
 
 
@@ -80,11 +81,12 @@ def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def kept_for_replay(metrics: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
     """What of a report a rank keeps until the driver has logged it: rank 0 its report (the one the driver
-    logs), every rank its overflow records (the driver merges all ranks'); warnings are not repeated."""
+    logs), every rank its overflow records and system samples (the driver merges all ranks'); warnings are not
+    repeated."""
     if rank == 0:
         kept = {key: value for key, value in metrics.items() if key != "warnings"}
-    elif metrics.get(OVERFLOW_LOG):
-        kept = {"seq": metrics["seq"], OVERFLOW_LOG: metrics[OVERFLOW_LOG]}
+    elif metrics.get(OVERFLOW_LOG) or metrics.get(SYSTEM_SAMPLES):
+        kept = {key: metrics[key] for key in ("seq", OVERFLOW_LOG, SYSTEM_SAMPLES) if metrics.get(key)}
     else:
         return None
     # Plain numbers, strings, lists and dicts only: the checkpoint loads with torch.load(weights_only=True).
@@ -109,6 +111,14 @@ class TrainingLoop:
         """This rank's reports the driver may not have logged yet (`kept_for_replay`), oldest first."""
 
     def run(self) -> Training:
+        self.sampler = start_sampler(self.rank, self.device, self.cfg.tracking.system_metrics_interval_s)
+        try:
+            return self.train()
+        finally:
+            if self.sampler is not None:
+                self.sampler.stop()
+
+    def train(self) -> Training:
         cfg, rank, device = self.cfg, self.rank, self.device
         remove_stale_staging()  # what a process killed while staging a checkpoint left behind
         seed_everything(cfg.run.seed + rank)
@@ -144,6 +154,8 @@ class TrainingLoop:
                 if step_in_epoch >= self.steps_per_epoch:
                     break
                 self.global_step += 1
+                if self.sampler is not None:
+                    self.sampler.step = self.global_step
                 faults.kill(self.global_step)
                 loss, outcome = accumulated_step(self.training, micro_batches, device, self.global_step, faults)
                 if self.global_step == 1 and self.launched_at is not None:  # a fresh run's first step
@@ -211,10 +223,13 @@ class TrainingLoop:
         # The reports the driver may not have logged before it died, in order, then the checkpoint's own.
         self.seq, self.sample_shape = state.report_seq, list(state.sample_shape)
         self.unlogged = list(state.rank.unlogged) if state.rank is not None else []
-        overflow = [record for kept in self.unlogged for record in kept.get(OVERFLOW_LOG, [])]
-        resent = {OVERFLOW_LOG: overflow} if overflow else {}
+        resent = {}
+        for key in (OVERFLOW_LOG, SYSTEM_SAMPLES):  # every rank's: the relay callback gathers them
+            if records := [record for kept in self.unlogged for record in kept.get(key, [])]:
+                resent[key] = records
         if self.rank == 0:
-            replay = [{k: v for k, v in kept.items() if k != OVERFLOW_LOG} for kept in self.unlogged]
+            replay = [{k: v for k, v in kept.items() if k not in (OVERFLOW_LOG, SYSTEM_SAMPLES)}
+                      for kept in self.unlogged]
             resent.update({**state.report, "replay": replay, "warnings": warnings,
                            "tags": {"resumed_from_step": str(self.global_step)}})
         self.session.report(resent)
@@ -236,6 +251,8 @@ class TrainingLoop:
         began = time.perf_counter()
         self.seq += 1
         metrics = {**metrics, "seq": self.seq}
+        if self.sampler is not None and (samples := self.sampler.take()):
+            metrics[SYSTEM_SAMPLES] = samples
         kept = kept_for_replay(metrics, self.rank)
         if kept is not None:
             self.unlogged = [*self.unlogged, kept][-MAX_UNLOGGED:]

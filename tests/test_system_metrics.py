@@ -1,0 +1,44 @@
+"""Per-rank system metrics: sampled off the training thread under MLflow's system metric names, gathered
+from every rank by the relay callback, and turned off by an interval of 0."""
+
+import os
+import time
+
+import torch
+
+from orchestrator.tracking.relay import merge_ranks
+from orchestrator.train.system import SYSTEM_SAMPLES, SystemSampler, start_sampler
+
+
+def test_a_sampler_reads_its_process_cpu_and_memory_at_the_step_the_loop_is_at():
+    sampler = SystemSampler(rank=3, device=torch.device("cpu"), interval_s=0.05).start()
+    sampler.step = 7
+    busy_until = time.monotonic() + 0.4
+    while time.monotonic() < busy_until:  # some CPU for the sampler to see
+        sum(i * i for i in range(1000))
+    sampler.stop()
+    samples = sampler.take()
+    assert len(samples) >= 3 and sampler.take() == []  # taken once
+    assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
+    for sample in samples:
+        assert set(sample["m"]) == {"system/rank_3/cpu_utilization_percentage", "system/rank_3/memory_rss_megabytes"}
+        assert 0 <= sample["m"]["system/rank_3/cpu_utilization_percentage"] <= 100 * os.cpu_count()
+        assert sample["m"]["system/rank_3/memory_rss_megabytes"] > 10  # a process with torch loaded
+        assert abs(sample["t"] / 1000 - time.time()) < 60
+    assert samples[-1]["step"] == 7
+    assert max(s["m"]["system/rank_3/cpu_utilization_percentage"] for s in samples) > 10  # it saw the busy loop
+
+
+def test_an_interval_of_zero_samples_nothing():
+    assert start_sampler(0, torch.device("cpu"), 0) is None
+
+
+def test_the_relay_callback_gathers_every_ranks_samples_onto_rank_0s_report():
+    sample = lambda rank: {"t": 1, "step": 2, "m": {f"system/rank_{rank}/memory_rss_megabytes": 1.0}}  # noqa: E731
+    report, overflow = merge_ranks([
+        {"step": 2, "train/loss": 0.5, SYSTEM_SAMPLES: [sample(0)], "amp/overflow_log": [{"step": 1, "rank": 0}]},
+        {"step": 2, "train/loss": 0.5, SYSTEM_SAMPLES: [sample(1)]},
+    ])
+    assert report == {"step": 2, "train/loss": 0.5, SYSTEM_SAMPLES: [sample(0), sample(1)]}
+    assert overflow == [{"step": 1, "rank": 0}]
+    assert SYSTEM_SAMPLES not in merge_ranks([{"step": 1}, {"step": 1}])[0]
