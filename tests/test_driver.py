@@ -43,7 +43,7 @@ class _FakeRelay:
             return self.value
 
     def __init__(self):
-        self.take, self.push = self._Call([]), self._Call(None)
+        self.take, self.push = self._Call(([], [])), self._Call(None)
 
 
 class _FakeResult:
@@ -149,7 +149,7 @@ def test_the_console_s_final_line_is_the_last_step_even_when_it_reached_the_rela
     class QueueRelay(_FakeRelay):
         def __init__(self):
             super().__init__()
-            self.take = type("Take", (), {"remote": staticmethod(lambda: [queue.pop(0) for _ in list(queue)])})()
+            self.take = type("Take", (), {"remote": staticmethod(lambda: ([queue.pop(0) for _ in list(queue)], []))})()
 
     class ReportsAtTheEnd(_FakeTrainer):
         def fit(self):

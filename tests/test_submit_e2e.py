@@ -36,6 +36,8 @@ def test_quickstart_two_workers_fp16_reaches_90_percent(tmp_path):
         env={**os.environ, "MLFLOW_TRACKING_URI": "sqlite:////nonexistent/should-not-be-used.db"},
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "epoch 6/6 | step " in out.stderr and "MLflow run " in out.stderr  # progress and where the run is
+    assert "INFO mlflow" not in out.stderr and "Token authentication" not in out.stderr  # no chatter without -v
     client, run = only_run(uri, "quickstart")
     assert run.info.status == "FINISHED"
     assert run.info.run_id in out.stdout and "mlflow ui --backend-store-uri" in out.stdout
@@ -105,14 +107,22 @@ def _submit_in(tmp_path, monkeypatch, capsys, write_job, module: str, job: dict)
     return rc, capsys.readouterr()
 
 
-def test_model_by_import_path_is_shipped_to_the_workers(tmp_path, write_job, mlflow_uri):
-    # Through the real CLI in its own directory: Ray starts there and ships the module to the workers.
-    (tmp_path / "user_nets_ok.py").write_text(CUSTOM_MODEL.format(name="Net", forward="return self.body(x)"))
+def test_model_by_import_path_is_shipped_to_the_workers_and_what_it_prints_reaches_the_console(
+        tmp_path, write_job, mlflow_uri):
+    # Through the real CLI in its own directory: Ray starts there and ships the module to the workers. The model
+    # prints on every training forward; run.worker_output defaults to rank0. -q: no progress, no chatter.
+    printing = "if self.training:\n            print(f'forward of {x.shape[0]} samples')\n        return self.body(x)"
+    (tmp_path / "user_nets_ok.py").write_text(CUSTOM_MODEL.format(name="Net", forward=printing))
     job = small_job(model={"name": "user_nets_ok:Net"}, tracking={"uri": mlflow_uri, "experiment": "custom"},
                     precision={"preset": "bf16-mixed"})
-    out = subprocess.run([sys.executable, "-m", "orchestrator.submit", str(write_job(job))], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-m", "orchestrator.submit", str(write_job(job)), "-q"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
+    printed = [line for line in out.stderr.splitlines() if "forward of" in line]
+    assert printed == ["[rank 0] forward of 32 samples"] * 4, out.stderr  # 4 steps, rank 0's, each once
+    for chatter in ("epoch 1/1", "MLflow run ", "INFO", "Token authentication"):
+        assert chatter not in out.stderr, chatter
+    assert "Run finished:" in out.stdout
     client, run = only_run(mlflow_uri, "custom")
     assert run.info.status == "FINISHED"
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 2  # steps 2 and 4

@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+from orchestrator import console
+from orchestrator.config import reference
 from orchestrator.runner import remote
 from orchestrator.config import load_job, to_yaml
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
@@ -29,6 +31,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.submit",
         description="Train a job file on Ray Train workers and track it in one MLflow run.",
+        epilog=reference.render(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("job", help="job YAML file, e.g. jobs/cifar.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.epochs=2")
@@ -40,6 +43,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="with an http(s):// --address: print the submitted job's id and exit")
     parser.add_argument("--resume", action="store_true",
                         help="continue this job's newest interrupted run from its last checkpoint, in the same MLflow run")
+    reference.add_help_config(parser)
+    console.add_arguments(parser)
     # Intermixed: overrides may come after options (`JOB --address URL run.epochs=2`), as users type them.
     return parser.parse_intermixed_args(argv)
 
@@ -47,6 +52,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
     args = parse_args(argv)
+    console.from_args(args)
     previous_sigterm = interrupt_on_sigterm()  # SIGTERM before training starts ends the command the same way
     try:
         return _submit(args)

@@ -12,6 +12,7 @@ Exit codes: 0 every child finished; 1 a child failed (the others still ran; its 
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,6 +24,8 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import console
+from orchestrator.config import reference
 from orchestrator.train import models
 
 from orchestrator.runner import remote
@@ -30,6 +33,8 @@ from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import flatten, load_job
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
 from orchestrator.tracking.secrets import install_console_redaction, redact
+
+logger = logging.getLogger("ampflow.sweep")
 
 
 @dataclass
@@ -49,6 +54,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.sweep",
         description="Train a job once per precision preset and compare speed, memory and accuracy in MLflow.",
+        epilog=reference.render(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("job", help="job YAML file, e.g. jobs/quickstart.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every preset")
@@ -60,6 +66,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--max-accuracy-drop", type=float, default=0.01,
                         help="name presets whose final accuracy is lower than the first's by more than this "
                              "(0.01 = 1 point)")
+    reference.add_help_config(parser)
+    console.add_arguments(parser)
     return parser.parse_intermixed_args(argv)
 
 
@@ -165,7 +173,7 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
     results = []
     for number, ((preset, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
         _ctrl_c_interrupts()
-        print(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===", file=sys.stderr)
+        logger.info(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===")
         child = None
         try:
             child = plan_run(cfg, plan.job_path, plan.address, run, parent_run_id=parent.run_id)
@@ -216,8 +224,8 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     from orchestrator.tracking.tracker import view_hint
 
     base = next(iter(plan.configs.values()))
-    print(f"MLflow parent run {parent.run_id} ({plan.name}) in experiment '{base.tracking.experiment}' at "
-          f"{redact(parent.uri)}: presets {', '.join(plan.configs)}", file=sys.stderr)
+    logger.info(f"MLflow parent run {parent.run_id} ({plan.name}) in experiment '{base.tracking.experiment}' at "
+                f"{redact(parent.uri)}: presets {', '.join(plan.configs)}")
     started_ray, previous_sigterm = False, None
     try:
         # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
@@ -258,6 +266,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
     args = parse_args(argv)
+    console.from_args(args)
     try:
         plan = validate(args)
         parent = start_parent(plan, args.max_accuracy_drop)  # MLflow unreachable: exit 2, nothing started

@@ -271,6 +271,9 @@ class RunSection:
     """Micro-batches of `batch_size` per optimizer step (gradient accumulation): DDP syncs gradients on the last
     only, the loss scale is updated once per step. Effective batch: batch_size x accumulate_steps x num_workers;
     steps, `max_steps_per_epoch` and checkpoints count optimizer steps."""
+    worker_output: str = "rank0"
+    """What the user's code prints on the workers (stdout, stderr) reaches the console, each line prefixed by its
+    rank: `rank0` (rank 0's only), `all`, or `none` (kept in Ray's worker logs only)."""
     early_stopping: Optional[EarlyStoppingSection] = None
     """Stop when an evaluation metric stops improving (null: train all `epochs`)."""
 

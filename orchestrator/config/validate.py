@@ -18,6 +18,7 @@ LOADERS = ("dataloader", "device")
 OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 COMM_HOOKS = ("none", "fp16", "bf16")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
+WORKER_OUTPUT = ("rank0", "all", "none")
 # A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -98,6 +99,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(clip is None or (math.isfinite(clip) and clip > 0), "optim.clip_grad_norm",
       f"must be a finite number > 0, or null for no clipping, got {clip}.")
     r(cfg.run.accumulate_steps >= 1, "run.accumulate_steps", f"must be >= 1, got {cfg.run.accumulate_steps}.")
+    r(cfg.run.worker_output in WORKER_OUTPUT, "run.worker_output",
+      f"must be one of {', '.join(WORKER_OUTPUT)}, got '{cfg.run.worker_output}'.")
     stopping = cfg.run.early_stopping
     if stopping is not None:
         r(stopping.metric.startswith("eval/"), "run.early_stopping.metric",

@@ -6,6 +6,7 @@ starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KIL
 (`records.close_run`).
 """
 
+import logging
 import math
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 from omegaconf import DictConfig
 
+from orchestrator import console
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_on_sigterm
@@ -26,6 +28,8 @@ from orchestrator.runner.preflight import RunChoice
 from orchestrator.runner import records
 from orchestrator.runner.records import close_run
 from orchestrator.tracking.secrets import install_console_redaction, redact
+
+logger = logging.getLogger("ampflow.runner")
 
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
@@ -141,8 +145,10 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
     # (measured in bench.orchestration). A local Ray we start inherits this environment; on an existing
     # cluster, set it on the cluster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
-    # Worker and controller logs stay in Ray's session directory; the console gets one progress line.
-    ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level="WARNING")
+    # Worker and controller logs stay in Ray's session directory; the console gets one progress line (and what
+    # the user's code prints on the workers, `run.worker_output`, through the relay). Ray's own INFO lines and
+    # start-up warnings reach it with -v only.
+    ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level=console.ray_logging_level())
     return True, None
 
 
@@ -184,6 +190,7 @@ def execute(plan: RunPlan) -> int:
     on the driver closes it FAILED and is raised again.
     """
     install_console_redaction()  # idempotent: callers from Python get it too
+    console.ensure_console()
     end = RunEnd(plan)
     try:
         return _execute(plan, end)
@@ -212,8 +219,8 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
     cfg, storage = plan.cfg, plan.cfg.checkpoint.storage_path
     if plan.tracker is not None:
         verb = "Resuming" if plan.resume else "MLflow run"
-        print(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' at "
-              f"{redact(plan.uri)}", file=sys.stderr)
+        logger.info(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' "
+                    f"at {redact(plan.uri)}")
     launched_at = time.time()  # launch-to-first-step counts Ray's start too
     module_sources = models.module_sources(cfg)
     try:
@@ -242,9 +249,10 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
             writer.resume_from_run()
         writer.start()
         trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
-                                worker_runtime_env=worker_runtime_env, run_id=run_id, launched_at=launched_at)
+                                worker_runtime_env=worker_runtime_env, run_id=run_id, launched_at=launched_at,
+                                relay=relay)
         failure = None
-        with ConsoleProgress(lambda: writer.newest):
+        with ConsoleProgress(lambda: writer.newest, lines=writer.take_printed, show_progress=console.progress_shown()):
             try:
                 result = trainer.fit()
             except TrainingFailedError as exc:

@@ -11,11 +11,11 @@ from orchestrator.runner.worker import train_loop
 
 def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,
                   worker_runtime_env: Optional[dict] = None, run_id: Optional[str] = None,
-                  launched_at: Optional[float] = None) -> TorchTrainer:
+                  launched_at: Optional[float] = None, relay=None) -> TorchTrainer:
     """The trainer for a job; the same `run_name` and `storage_path` make Ray Train restore that run.
 
     `launched_at` (wall-clock seconds) is when submit began: the workers report `perf/time_to_first_step_s`
-    from it.
+    from it. `relay`: the report relay, where the workers send what the user's code prints (`run.worker_output`).
     """
     scaling = ScalingConfig(
         num_workers=cfg.scaling.num_workers,
@@ -35,7 +35,7 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
     return TorchTrainer(
         train_loop,
         train_loop_config={"job": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
-                           "launched_at": launched_at},
+                           "launched_at": launched_at, "relay": relay},
         scaling_config=scaling,
         run_config=run_config,
         # gloo on CPU, NCCL on GPU: Ray Train's default picks by device; we say it explicitly.

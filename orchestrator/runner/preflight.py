@@ -33,7 +33,7 @@ class RunChoice:
     """Continue the interrupted run of this name (`--resume`) rather than start one."""
     mlflow_run_id: Optional[str] = None
     """The resumed run's MLflow run, when it had one (MLflow may have been down all through it)."""
-    datasets: list = field(default_factory=list)
+    datasets: list = field(default_factory=list, compare=False)
     """The train and eval sets it reads (`DatasetLineage`s), logged as the MLflow run's dataset inputs."""
 
 

@@ -17,6 +17,7 @@ import ray.train.torch
 from omegaconf import OmegaConf
 
 from orchestrator.runner import records
+from orchestrator.tracking.relay import forwarded_output
 from orchestrator.train.checkpoint import Candidate, directory_size, write_failure
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.training import ddp_kwargs, register_comm_hook
@@ -116,5 +117,7 @@ def train_loop(config: dict[str, Any]) -> None:
         register_comm_hook(wrapped, cfg.ddp.comm_hook)
         return wrapped
 
-    TrainingLoop(cfg, RaySession(disk_full_at_step=cfg.faults.disk_full_at_step), run_id=config.get("run_id"), launched_at=config.get("launched_at"),
-                 wrap=prepare).run()
+    session = RaySession(disk_full_at_step=cfg.faults.disk_full_at_step)
+    with forwarded_output(config.get("relay"), session.rank, cfg.run.worker_output):
+        TrainingLoop(cfg, session, run_id=config.get("run_id"), launched_at=config.get("launched_at"),
+                     wrap=prepare).run()

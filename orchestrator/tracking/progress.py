@@ -22,15 +22,18 @@ def format_line(metrics: dict[str, Any]) -> str:
 
 class ConsoleProgress:
     """Shows `newest()` in a thread; rewrites one line on a TTY, prints a line every few seconds otherwise.
+    Above it, the lines `lines()` gives (what the user's code printed on the workers), as they come.
 
-    `newest` is local (the MLflow writer's view of the reports), so the console costs no call to the
-    relay actor: on a small node every extra wake-up on the driver is taken from a worker.
+    `newest` and `lines` are local (the MLflow writer's view of what the relay sent), so the console costs no
+    call to the relay actor: on a small node every extra wake-up on the driver is taken from a worker.
+    `show_progress=False` (-q): only the lines.
     """
 
     def __init__(self, newest: Callable[[], dict[str, Any]], stream: Optional[TextIO] = None,
-                 interval_s: float = 1.0):
+                 interval_s: float = 1.0, lines: Callable[[], list[str]] = list, show_progress: bool = True):
         # sys.stderr looked up now, not at import: it may have been replaced since (tests, notebooks).
         self.newest, self.stream, self.interval_s = newest, stream or sys.stderr, interval_s
+        self.lines, self.show_progress = lines, show_progress
         self.tty = self.stream.isatty()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ampflow-progress", daemon=True)
@@ -55,7 +58,14 @@ class ConsoleProgress:
             self._show()
 
     def _show(self, final: bool = False) -> None:
-        metrics = self.newest()
+        printed = self.lines()
+        if printed:
+            clear = "\r\033[K" if self.tty and self._last_line else ""
+            self.stream.write(clear + "".join(text + "\n" for text in printed))
+            if clear:
+                self._last_line = None  # cleared: drawn again below
+            self.stream.flush()
+        metrics = self.newest() if self.show_progress else None
         line = format_line(metrics) if metrics else None
         if line is None or line == self._last_line:
             return

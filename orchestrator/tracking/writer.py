@@ -59,6 +59,7 @@ class MlflowWriter:
         """Each system metric's newest logged timestamp (ms): its samples are logged once, by time."""
         self.overflow_log: list[dict[str, Any]] = []
         self.newest: dict[str, Any] = {}
+        self.printed: deque[str] = deque()
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
         self.outage_since: Optional[float] = None
         self._retry_at, self._backoff = 0.0, 1.0
@@ -117,8 +118,14 @@ class MlflowWriter:
     # -- reports -> records -----------------------------------------------------------------------
 
     def _drain(self) -> None:
-        for report, overflow in ray.get(self.relay.take.remote(), timeout=30):
+        reports, lines = ray.get(self.relay.take.remote(), timeout=30)
+        for report, overflow in reports:
             self.enqueue(report, overflow)
+        self.printed.extend(lines)
+
+    def take_printed(self) -> list[str]:
+        """The lines the workers printed (`run.worker_output`) since the last call: the console shows them."""
+        return [self.printed.popleft() for _ in range(len(self.printed))]
 
     def enqueue(self, report: dict[str, Any], overflow: list[dict[str, Any]]) -> None:
         for resent in report.get("replay", []):  # a resumed run's reports the previous driver may have lost
@@ -150,7 +157,7 @@ class MlflowWriter:
         try:
             if self.tracker is None and self._start_run is not None:
                 self.tracker = self._start_run()
-                print(f"MLflow is reachable: created run {self.tracker.run_id}; backfilling.", file=sys.stderr)
+                logger.info(f"MLflow is reachable: created run {self.tracker.run_id}; backfilling.")
             while self.pending and self.tracker is not None:
                 self._apply(*self.pending[0])
                 self.pending.popleft()
@@ -162,8 +169,8 @@ class MlflowWriter:
             self._retry_at, self._backoff = time.monotonic() + self._backoff, min(self._backoff * 2, 30.0)
             return False
         if self.outage_since is not None:
-            print(f"MLflow is back after {time.monotonic() - self.outage_since:.0f}s; the metrics held meanwhile "
-                  "are logged.", file=sys.stderr)
+            logger.info(f"MLflow is back after {time.monotonic() - self.outage_since:.0f}s; the metrics held "
+                        "meanwhile are logged.")
             self.outage_since, self._backoff = None, 1.0
         return not self.pending
 
