@@ -55,6 +55,20 @@ CASES = {
                              ["8192 CPU"]),
     "mlflow_unreachable": (small_job(tracking={"uri": "http://127.0.0.1:9"}), ["--presets", "O0"],
                            ["cannot be reached"]),
+    "nothing_to_sweep": (small_job(), [], ["nothing to sweep", "--grid"]),
+    "grid_malformed": (small_job(), ["--grid", "optim.lr"], ["--grid optim.lr: expected KEY=V1,V2"]),
+    "grid_no_values": (small_job(), ["--grid", "optim.lr= , "], ["--grid optim.lr= , : no value given"]),
+    "grid_value_twice": (small_job(), ["--grid", "optim.lr=0.1,0.1"], ["0.1 listed twice"]),
+    "grid_key_twice": (small_job(), ["--grid", "optim.lr=0.1", "--grid", "optim.lr=0.2"],
+                       ["--grid gives optim.lr twice"]),
+    "grid_and_presets": (small_job(), ["--presets", "O0", "--grid", "precision.preset=O1"],
+                         ["--presets and --grid precision.preset both sweep"]),
+    "grid_unknown_key": (small_job(), ["--grid", "optim.lrr=0.1,0.2"], ["--grid optim.lrr:", "optim.lr"]),
+    "grid_bad_value": (small_job(), ["--grid", "run.epochs=1,two"], ["--grid point run.epochs=two", "run.epochs"]),
+    "grid_key_also_overridden": (small_job(), ["--grid", "optim.lr=0.1,0.2", "optim.lr=0.3"],
+                                 ["optim.lr is swept by --grid"]),
+    "grid_unknown_preset": (small_job(), ["--grid", "precision.preset=O0,O7"],
+                            ["--grid: precision.preset: unknown preset 'O7'"]),
 }
 
 @pytest.fixture(scope="module")
@@ -99,6 +113,46 @@ def test_lightning_names_are_accepted_and_children_run_the_canonical_preset(writ
     plan = validate(parse_args([str(write_job(small_job())), "--presets", "32-true, bf16", "run.name=mine"]))
     assert list(plan.configs) == ["O0", "bf16-mixed"] and plan.name == "mine-sweep"
     assert [cfg.precision.compute_dtype for cfg in plan.configs.values()] == ["float32", "bfloat16"]
+
+
+def test_a_grid_runs_the_cartesian_product_each_point_labelled_by_its_values(write_job, capsys):
+    from orchestrator.cli.sweep import parse_args, validate
+
+    job = write_job(small_job(run={"name": "g"}))
+    plan = validate(parse_args([str(job), "--grid", "optim.lr=0.1,0.05", "--grid", "precision.preset=O0,bf16"]))
+    assert list(plan.configs) == ["lr0.1-O0", "lr0.1-bf16-mixed", "lr0.05-O0", "lr0.05-bf16-mixed"]
+    assert [(cfg.optim.lr, cfg.precision.preset, cfg.precision.compute_dtype) for cfg in plan.configs.values()] == [
+        (0.1, "O0", "float32"), (0.1, "bf16-mixed", "bfloat16"), (0.05, "O0", "float32"),
+        (0.05, "bf16-mixed", "bfloat16")]
+    assert [run.name for run in plan.runs] == [f"g-sweep-{label}" for label in plan.configs]
+    assert plan.points["lr0.05-O0"] == {"optim.lr": "0.05", "precision.preset": "O0"}
+    assert not plan.presets_only and plan.presets == ["O0", "bf16-mixed"]
+
+    only_lr = validate(parse_args([str(job), "--grid", "optim.lr=0.1,0.05", "run.name=h"]))
+    assert list(only_lr.configs) == ["lr0.1", "lr0.05"] and only_lr.presets is None
+    assert [cfg.precision.preset for cfg in only_lr.configs.values()] == [None, None]  # the job's own precision
+
+
+def test_labels_hold_only_what_a_run_name_can_and_stay_unique():
+    from orchestrator.cli.sweep import point_labels
+
+    assert list(point_labels([("precision.preset", ["O0", "O1"])])) == ["O0", "O1"]
+    assert list(point_labels([("data.kwargs.path", ["a/b", "a:b"])])) == ["patha_b-1", "patha_b-2"]
+    assert list(point_labels([("optim.betas", ["[0.9,0.99]"])])) == ["betas_0.9_0.99"]
+
+
+def test_a_grids_table_has_its_label_and_a_column_per_swept_key():
+    rows = []
+    for label, lr, preset, samples in (("lr0.1-O0", "0.1", "O0", 100.0), ("lr0.05-O1", "0.05", "O1", 150.0)):
+        row = dict.fromkeys(ROW_KEYS)
+        row.update(preset=preset, run_id="r", status="FINISHED", samples_per_s=samples, peak_memory_bytes=2**20,
+                   final_accuracy=0.9, skipped_steps=0.0, wall_time_s=1.0, point=label)
+        row["optim.lr"] = lr
+        rows.append(row)
+    table = markdown_table(add_baseline_ratios(rows))
+    assert table.splitlines()[0].startswith("| point | optim.lr | preset | status | samples/s | speedup vs lr0.1-O0 |")
+    assert "| lr0.05-O1 | 0.05 | O1 | FINISHED | 150.0 | 1.50x |" in table
+    assert verdict(rows, 0.01).startswith("Fastest: lr0.05-O1;")
 
 
 # -- the comparison, from real MLflow runs ---------------------------------------------------------
@@ -230,6 +284,41 @@ def test_sweep_runs_each_preset_as_a_child_and_compares_them(tmp_path):
 
     assert "| bf16-mixed | FINISHED |" in out.stdout and "Fastest: " in out.stdout
     assert parent.info.run_id in out.stdout
+
+
+@pytest.mark.slow
+def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "grid.yaml"
+    job.write_text(yaml.safe_dump(small_job(run={"max_steps_per_epoch": 2}, tracking={"experiment": "grid-e2e"})))
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.sweep", str(job), "--grid", "optim.lr=0.1,0.02",
+         "--grid", "precision.preset=O0,bf16-mixed", f"tracking.uri={uri}",
+         f"checkpoint.storage_path={tmp_path / 'ray_results'}", "tracking.system_metrics_interval_s=0"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    client, parent, children = _sweep_runs(uri, "grid-e2e")
+    assert parent.info.status == "FINISHED" and len(children) == 4
+    assert parent.data.tags["sweep.grid"] == "optim.lr=0.1,0.02;precision.preset=O0,bf16-mixed"
+    assert "optim.lr" not in parent.data.params and "precision.compute_dtype" not in parent.data.params
+    points = {(child.data.tags["sweep.optim.lr"], child.data.tags["sweep.precision.preset"]): child
+              for child in children}
+    assert sorted(points) == [("0.02", "O0"), ("0.02", "bf16-mixed"), ("0.1", "O0"), ("0.1", "bf16-mixed")]
+    for (lr, preset), child in points.items():
+        assert child.info.status == "FINISHED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.params["optim.lr"] == lr and child.data.tags["preset"] == preset
+        assert child.info.run_name == f"{parent.info.run_name}-lr{lr}-{preset}"
+
+    rows = json.loads(open(client.download_artifacts(parent.info.run_id, "sweep/comparison.json")).read())
+    assert [(row["point"], row["optim.lr"], row["preset"]) for row in rows] == [
+        ("lr0.1-O0", "0.1", "O0"), ("lr0.1-bf16-mixed", "0.1", "bf16-mixed"), ("lr0.02-O0", "0.02", "O0"),
+        ("lr0.02-bf16-mixed", "0.02", "bf16-mixed")]
+    for row in rows:
+        assert row["run_id"] == points[(row["optim.lr"], row["preset"])].info.run_id
+        assert parent.data.metrics[f"sweep/{row['point']}/final_accuracy"] == pytest.approx(row["final_accuracy"])
+    assert "| point | optim.lr | preset | status |" in out.stdout
+    assert "| lr0.02-bf16-mixed | 0.02 | bf16-mixed | FINISHED |" in out.stdout
 
 
 FLAKY_UNDER_AUTOCAST = """

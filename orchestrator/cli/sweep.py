@@ -1,10 +1,13 @@
 """`python -m orchestrator.sweep JOB --presets O0,O1,O2,bf16-mixed [key=value ...]`: which precision is
-fastest and smallest for this model, and does it cost accuracy?
+fastest and smallest for this model, and does it cost accuracy? And with
+`--grid optim.lr=0.1,0.05 --grid precision.preset=O0,O1`: the cartesian product of any keys' values.
 
-The job runs once per preset, one after another on one Ray, each as a complete ampflow run (metrics,
-audit, plots, checkpoints in its own Ray run directory) that MLflow nests under one parent run. The
-parent gets the comparison read back from the children: `sweep/comparison.{json,md,png}` and
-`sweep/<preset>/...` metrics.
+The job runs once per point of the grid (`--presets P,Q` is `--grid precision.preset=P,Q`), one after
+another on one Ray, each as a complete ampflow run (metrics, audit, plots, checkpoints in its own Ray
+run directory) that MLflow nests under one parent run. The parent gets the comparison read back from
+the children: `sweep/comparison.{json,md,png}` and `sweep/<label>/...` metrics, where a point's label
+is its preset for a sweep of presets alone (`O1`), else its values (`lr0.1-O1`); a child run is named
+`<parent>-<label>` and tagged `sweep.<key>` with each swept value.
 
 Exit codes: 0 every child finished; 1 a child failed (the others still ran; its row says FAILED);
 2 bad input (nothing started, no MLflow run); 130 interrupted (parent and running child closed KILLED).
@@ -37,29 +40,50 @@ from orchestrator.tracking.secrets import install_console_redaction, redact
 logger = logging.getLogger("ampflow.sweep")
 
 
+PRESET_KEY = "precision.preset"
+
+
 @dataclass
 class SweepPlan:
     job_path: Path
     overrides: list[str]
     address: Optional[str]
     name: str
-    """The parent run's name; child runs are `<name>-<preset>`."""
+    """The parent run's name; child runs are `<name>-<label>`."""
     configs: dict[str, DictConfig]
-    """Each preset's resolved job config, in sweep order (the first is the baseline)."""
+    """Each point's resolved job config by its label, in sweep order (the first is the baseline)."""
     runs: list[RunChoice]
-    """Each preset's run, in the same order, as the pre-flight chose it (`<name>-<preset>`)."""
+    """Each point's run, in the same order, as the pre-flight chose it (`<name>-<label>`)."""
+    grid: list[tuple[str, list[str]]]
+    """The swept keys and their values, in order (`--presets` is the key `precision.preset`)."""
+    points: dict[str, dict[str, str]]
+    """Each point's values of the swept keys, by its label."""
+
+    @property
+    def presets_only(self) -> bool:
+        """A sweep of presets alone: rows, labels and output as they were before grids."""
+        return [key for key, _ in self.grid] == [PRESET_KEY]
+
+    @property
+    def presets(self) -> Optional[list[str]]:
+        return dict(self.grid).get(PRESET_KEY)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.sweep",
-        description="Train a job once per precision preset and compare speed, memory and accuracy in MLflow.",
+        description="Train a job once per precision preset (--presets), or per point of a grid over any config keys "
+                    "(--grid), and compare speed, memory and accuracy in MLflow.",
         epilog=reference.render(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("job", help="job YAML file, e.g. jobs/quickstart.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every preset")
-    parser.add_argument("--presets", required=True,
-                        help="comma-separated presets, the first is the baseline, e.g. O0,O1,O2,bf16-mixed")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every child run")
+    parser.add_argument("--presets",
+                        help="comma-separated presets, the first is the baseline, e.g. O0,O1,O2,bf16-mixed "
+                             "(the shorthand of --grid precision.preset=...)")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                        help="sweep a config key over comma-separated values; repeat for more keys, the sweep runs "
+                             "their cartesian product (the first point is the baseline), e.g. --grid optim.lr=0.1,0.05")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                         help="an existing Ray cluster (ray://HOST:10001 or HOST:6379; default: $RAY_ADDRESS, "
                              "else a local Ray)")
@@ -71,28 +95,78 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def parse_presets(text: str) -> list[str]:
+def parse_presets(text: str, flag: str = "--presets") -> list[str]:
     """Canonical preset names, in order; BadInput for an empty list, unknown names and duplicates."""
     from orchestrator.config.loader import resolve_preset
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise BadInput("--presets: no preset given. List them comma-separated, e.g. --presets O0,O1,bf16-mixed.")
+        raise BadInput(f"{flag}: no preset given. List them comma-separated, e.g. --presets O0,O1,bf16-mixed.")
     canonical: dict[str, str] = {}
     for name in names:
         try:
             preset = resolve_preset(name)
         except BadInput as exc:
-            raise BadInput(f"--presets: {exc}") from None
+            raise BadInput(f"{flag}: {exc}") from None
         if preset in canonical:
             same = f"'{canonical[preset]}' and '{name}' are both" if canonical[preset] != name else f"'{name}' is"
-            raise BadInput(f"--presets: {same} preset {preset}: listed twice. List each preset once.")
+            raise BadInput(f"{flag}: {same} preset {preset}: listed twice. List each preset once.")
         canonical[preset] = name
     return list(canonical)
 
 
-def check_precision_keys(job_path: Path, overrides: list[str], configs: dict[str, DictConfig]) -> None:
-    """The job's own precision keys (job file and command line) apply on top of every preset.
+def parse_grid(items: Sequence[str], presets: Optional[str]) -> list[tuple[str, list[str]]]:
+    """The swept keys and their values, in the order given (`--presets` first); BadInput for a malformed
+    `--grid`, empty or repeated values, a key given twice, or nothing to sweep."""
+    grid: dict[str, list[str]] = {}
+    if presets is not None:
+        grid[PRESET_KEY] = parse_presets(presets)
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"--grid {item}: expected KEY=V1,V2,... e.g. --grid optim.lr=0.1,0.05.")
+        if key in grid:
+            also = "--presets and --grid precision.preset both sweep" if key == PRESET_KEY and presets is not None \
+                else "--grid gives"
+            raise BadInput(f"--grid {item}: {also} {key} twice. Give each key once, all its values comma-separated.")
+        if key == PRESET_KEY:
+            grid[key] = parse_presets(text, flag="--grid")
+            continue
+        values = [value.strip() for value in text.split(",") if value.strip()]
+        if not values:
+            raise BadInput(f"--grid {item}: no value given. List them comma-separated, e.g. --grid {key}=A,B.")
+        repeated = sorted({value for value in values if values.count(value) > 1})
+        if repeated:
+            raise BadInput(f"--grid {item}: {', '.join(repeated)} listed twice. List each value once.")
+        grid[key] = values
+    if not grid:
+        raise BadInput("nothing to sweep: give --presets O0,O1 or --grid KEY=V1,V2 (e.g. --grid optim.lr=0.1,0.05).")
+    return list(grid.items())
+
+
+def point_labels(grid: list[tuple[str, list[str]]]) -> dict[str, dict[str, str]]:
+    """Every point of the grid (cartesian product, in order) by its label: the preset alone for a sweep of
+    presets; else each value, after the key's last part for keys other than the preset (`lr0.1-O1`). Labels
+    name runs and directories: letters, digits, `.`, `_` and `-` only."""
+    import itertools
+    import re
+
+    keys = [key for key, _ in grid]
+    points = [dict(zip(keys, values)) for values in itertools.product(*(values for _, values in grid))]
+
+    def part(key: str, value: str) -> str:
+        text = value if key == PRESET_KEY else key.rsplit(".", 1)[-1] + value
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._-") or "x"
+
+    labels = ["-".join(part(key, value) for key, value in point.items()) for point in points]
+    if len(set(labels)) < len(labels):  # values that differ only in characters a label cannot hold
+        labels = [f"{label}-{number}" for number, label in enumerate(labels, start=1)]
+    return dict(zip(labels, points))
+
+
+def check_precision_keys(job_path: Path, overrides: list[str], configs: Sequence[DictConfig]) -> None:
+    """The job's own precision keys (job file, command line and grid) apply on top of every preset.
 
     One that replaces a value a preset file sets would make that child not the preset it is named
     after, and the comparison a lie: exit 2. The rest (rules, scaler tuning, lint) are announced.
@@ -103,7 +177,8 @@ def check_precision_keys(job_path: Path, overrides: list[str], configs: dict[str
     own = dict(load_yaml_mapping(job_path).get("precision") or {})
     own.update(OmegaConf.to_container(parse_overrides(overrides)).get("precision") or {})
     own.pop("preset", None)
-    for preset, cfg in configs.items():
+    for cfg in configs:
+        preset = cfg.precision.preset
         preset_values = load_yaml_mapping(configs_dir() / "precision" / f"{preset}.yaml", what="precision preset")
         for key, value in preset_values.items():
             if key in own and key != "lint" and cfg.precision[key] != value:
@@ -124,68 +199,101 @@ def validate(args: argparse.Namespace) -> SweepPlan:
         raise BadInput(f"--address {redact(args.address)}: the sweep does not submit to a job server; it runs "
                        "the presets from this process. Pass the cluster's Ray address (ray://HEAD:10001), or "
                        "submit each preset with `python -m orchestrator.submit JOB precision.preset=P --address ...`.")
-    if any(item.split("=", 1)[0].strip() == "precision.preset" for item in args.overrides):
-        raise BadInput("command line: precision.preset is set by the sweep; list the presets with --presets.")
     if not 0 <= args.max_accuracy_drop < 1:
         raise BadInput(f"--max-accuracy-drop {args.max_accuracy_drop:g}: must be in [0, 1) (0.01 = 1 point).")
-    presets = parse_presets(args.presets)
+    grid = parse_grid(args.grid, args.presets)
+    for item in args.overrides:
+        key = item.split("=", 1)[0].strip()
+        if key == PRESET_KEY and key in dict(grid):
+            raise BadInput("command line: precision.preset is set by the sweep; list the presets with --presets.")
+        if key in dict(grid):
+            raise BadInput(f"command line: {key} is swept by --grid; leave it out of the overrides.")
     job_path = Path(args.job)
-    first = load_job(job_path, [*args.overrides, f"precision.preset={presets[0]}"])
+    for key, values in grid:  # an unknown key or a value of the wrong type, named as the user gave it
+        try:
+            load_job(job_path, [*args.overrides, f"{key}={values[0]}"])
+        except BadInput as exc:
+            flag = "--presets" if key == PRESET_KEY and args.presets is not None else f"--grid {key}"
+            raise BadInput(f"{flag}: {exc}") from None
+    points = point_labels(grid)
+    first = load_job(job_path, [*args.overrides, *(f"{k}={v}" for k, v in next(iter(points.values())).items())])
     name = f"{first.run.name}-sweep" if first.run.name else f"{job_path.stem}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    configs = {p: load_job(job_path, [*args.overrides, f"precision.preset={p}", f"run.name={name}-{p}"])
-               for p in presets}
-    check_precision_keys(job_path, args.overrides, configs)
+    configs = {}
+    for label, point in points.items():
+        values = [f"{key}={value}" for key, value in point.items()]
+        try:
+            configs[label] = load_job(job_path, [*args.overrides, *values, f"run.name={name}-{label}"])
+        except BadInput as exc:
+            raise BadInput(f"--grid point {' '.join(values)}: {exc}") from None
+    if PRESET_KEY in dict(grid):
+        swept = [f"{key}={values[0]}" for key, values in grid if key != PRESET_KEY]
+        check_precision_keys(job_path, [*args.overrides, *swept], list(configs.values()))
     checked = preflight(list(configs.values()), job_path, args.address)
-    return SweepPlan(job_path, list(args.overrides), args.address, name, configs, checked.runs)
+    return SweepPlan(job_path, list(args.overrides), args.address, name, configs, checked.runs, grid, points)
 
 
 def start_parent(plan: SweepPlan, max_accuracy_drop: float):
-    """The parent MLflow run: the common config (precision varies per child), the sweep's params and tags."""
+    """The parent MLflow run: the common config (without what varies per child: the swept keys, and the whole
+    precision section when presets are swept), the sweep's params and tags."""
     from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri, standard_tags
 
     quick_http_failures()
     base = next(iter(plan.configs.values()))
-    presets = ",".join(plan.configs)
+    swept = [key for key, _ in plan.grid]
+    grid_text = ";".join(f"{key}={','.join(values)}" for key, values in plan.grid)
+
+    def varies(key: str) -> bool:
+        return key in swept or key == "run.name" or (plan.presets is not None and key.startswith("precision."))
+
     common = OmegaConf.to_container(base, resolve=True)
-    common.pop("precision")
-    common["run"].pop("name")
-    params = {key: value for key, value in flatten(base).items()
-              if not key.startswith("precision.") and key != "run.name"}
-    params.update({"sweep.presets": presets, "sweep.job_file": str(plan.job_path),
+    for key in [*swept, "run.name", *(["precision"] if plan.presets is not None else [])]:
+        *parents, leaf = key.split(".")
+        section = common
+        for parent in parents:
+            section = section.get(parent) or {}
+        section.pop(leaf, None)
+    params = {key: value for key, value in flatten(base).items() if not varies(key)}
+    params.update({"sweep.grid": grid_text, "sweep.job_file": str(plan.job_path),
                    "sweep.overrides": " ".join(plan.overrides)[:6000] or "(none)",
                    "sweep.max_accuracy_drop": str(max_accuracy_drop)})
     tags = {**standard_tags(plan.job_path, Path.cwd()),
-            "ampflow.sweep": "true", "sweep.presets": presets, "job_file": str(plan.job_path)}
+            "ampflow.sweep": "true", "sweep.grid": grid_text, "job_file": str(plan.job_path)}
+    if plan.presets is not None:
+        params["sweep.presets"] = tags["sweep.presets"] = ",".join(plan.presets)
     if "mlflow.source.git.commit" in tags:
         tags["git_commit"] = tags["mlflow.source.git.commit"]
     uri = resolve_uri(base.tracking.uri, Path.cwd())
-    header = f"# The sweep's common config; precision is each child run's preset ({presets}).\n"
+    header = f"# The sweep's common config; each child run has its own {', '.join(swept)} ({grid_text}).\n"
     return RunTracker.start(uri, base, run_name=plan.name, tags=tags, params=params,
                             config_yaml=header + yaml.safe_dump(common, sort_keys=False))
 
 
 def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
-    """Each preset's run, in order: (preset, its RunTracker or None, exit code). A failed child does not stop
+    """Each point's run, in order: (label, its RunTracker or None, exit code). A failed child does not stop
     the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
     from orchestrator.runner.driver import execute, plan_run
     from orchestrator.runner.records import close_run
 
     results = []
-    for number, ((preset, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
+    for number, ((label, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
         _ctrl_c_interrupts()
-        logger.info(f"\n=== sweep {plan.name}: preset {preset} ({number}/{len(plan.configs)}) ===")
+        what = f"preset {label}" if plan.presets_only else \
+            ", ".join(f"{key}={value}" for key, value in plan.points[label].items())
+        logger.info(f"\n=== sweep {plan.name}: {what} ({number}/{len(plan.configs)}) ===")
         child = None
         try:
             child = plan_run(cfg, plan.job_path, plan.address, run, parent_run_id=parent.run_id)
+            if child.tracker is not None:
+                child.tracker.set_tags({f"sweep.{key}": value for key, value in plan.points[label].items()})
             exit_code = execute(child)
         except (KeyboardInterrupt, SystemExit):
             if child is not None and child.tracker is not None and child.tracker.status() == "RUNNING":
                 close_run(child.tracker, "KILLED", 10, cfg.checkpoint.storage_path, run.name)
             raise
         except Exception as exc:  # a driver-side error in one child (execute closed its run FAILED)
-            print(f"error: preset {preset} failed: {redact(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
+            print(f"error: {what} failed: {redact(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
             exit_code = EXIT_FAILED
-        results.append((preset, child.tracker if child is not None else None, exit_code))
+        results.append((label, child.tracker if child is not None else None, exit_code))
     return results
 
 
@@ -199,17 +307,29 @@ def _ctrl_c_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def grid_row(plan: SweepPlan, label: str, tracker, exit_code: int) -> dict[str, Any]:
+    """A child's comparison row: `child_row`, and for a grid its label (`point`) and a column per swept key
+    (the preset is the `preset` column)."""
+    from orchestrator.cli.sweep_report import child_row
+
+    row = child_row(tracker, plan.configs[label].precision.preset or "custom", exit_code)
+    if not plan.presets_only:
+        row["point"] = label
+        row.update({key: value for key, value in plan.points[label].items() if key != PRESET_KEY})
+    return row
+
+
 def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
     """The comparison on the parent run: JSON rows, a Markdown table, a chart, per-preset metrics."""
     from orchestrator.tracking.plots import _pyplot
-    from orchestrator.cli.sweep_report import comparison_figure, markdown_table
+    from orchestrator.cli.sweep_report import comparison_figure, label_of, markdown_table
 
     parent.log_text(json.dumps(rows, indent=2), "sweep/comparison.json")
     parent.log_text(markdown_table(rows), "sweep/comparison.md")
     figure = comparison_figure(rows)
     parent.log_figure(figure, "sweep/comparison.png")
     _pyplot().close(figure)
-    parent.log_metrics({f"sweep/{row['preset']}/{key}": value for row in rows for key, value in row.items()
+    parent.log_metrics({f"sweep/{label_of(row)}/{key}": value for row in rows for key, value in row.items()
                         if isinstance(value, (int, float)) and not isinstance(value, bool)})
 
 
@@ -220,12 +340,14 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
 
     from orchestrator.runner.driver import init_ray
     from orchestrator.runner.records import close_run
-    from orchestrator.cli.sweep_report import add_baseline_ratios, child_row, markdown_table, verdict
+    from orchestrator.cli.sweep_report import add_baseline_ratios, label_of, markdown_table, verdict
     from orchestrator.tracking.tracker import view_hint
 
     base = next(iter(plan.configs.values()))
+    swept = f"presets {', '.join(plan.configs)}" if plan.presets_only else f"{len(plan.configs)} points of " + \
+        " x ".join(f"{key} ({len(values)})" for key, values in plan.grid)
     logger.info(f"MLflow parent run {parent.run_id} ({plan.name}) in experiment '{base.tracking.experiment}' at "
-                f"{redact(parent.uri)}: presets {', '.join(plan.configs)}")
+                f"{redact(parent.uri)}: {swept}")
     started_ray, previous_sigterm = False, None
     try:
         # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
@@ -234,7 +356,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
         _ctrl_c_interrupts()
-        rows = add_baseline_ratios([child_row(tracker, preset, exit_code) for preset, tracker, exit_code in results])
+        rows = add_baseline_ratios([grid_row(plan, label, tracker, exit_code) for label, tracker, exit_code in results])
         log_comparison(parent, rows)
         failed = any(exit_code != EXIT_OK for _, _, exit_code in results)
         close_run(parent, "FAILED" if failed else "FINISHED", base.tracking.flush_timeout_s)
@@ -253,7 +375,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
         if started_ray:
             ray.shutdown()
 
-    print(f"\nSweep {plan.name} (ratios and delta vs {rows[0]['preset']}):\n")
+    print(f"\nSweep {plan.name} (ratios and delta vs {label_of(rows[0])}):\n")
     print(markdown_table(rows))
     print(verdict(rows, max_accuracy_drop))
     if not base.scaling.use_gpu:

@@ -1,8 +1,9 @@
-"""The sweep's comparison: one row per preset, read back from its MLflow child run; a table, a chart, a verdict.
+"""The sweep's comparison: one row per child run, read back from MLflow; a table, a chart, a verdict.
 
-A row is what a user compares presets by: throughput, peak memory, final accuracy, skipped steps and
-wall time, and the same against the first preset (the baseline the user listed first, usually O0).
-Every number comes from what the child run logged, never from the driver's own bookkeeping.
+A row is what a user compares presets (or any grid's points) by: throughput, peak memory, final
+accuracy, skipped steps and wall time, and the same against the first row (the baseline the user
+listed first, usually O0). Every number comes from what the child run logged, never from the
+driver's own bookkeeping. A grid's rows add `point` (the label) and a column per swept key.
 """
 
 import math
@@ -10,7 +11,8 @@ from typing import Any, Optional, Sequence
 
 ROW_KEYS = ("preset", "run_id", "status", "samples_per_s", "peak_memory_bytes", "final_accuracy",
             "skipped_steps", "wall_time_s", "speedup", "memory_ratio", "accuracy_delta")
-"""The keys of each row of `sweep/comparison.json`, in this order."""
+"""The keys of each row of `sweep/comparison.json`, in this order (then, in a grid's, `point` and the swept
+keys but the preset)."""
 
 METRICS = ("perf/samples_per_s", "memory/peak_bytes", "eval/accuracy", "amp/skipped_steps")
 """The child-run metrics a row is computed from."""
@@ -59,6 +61,17 @@ def child_row(tracker, preset: str, exit_code: int) -> dict[str, Any]:
     return row
 
 
+def label_of(row: dict[str, Any]) -> str:
+    """What names a row: its grid point's label, or its preset in a sweep of presets."""
+    return row.get("point") or row["preset"]
+
+
+def extra_columns(row: dict[str, Any]) -> list[str]:
+    """A grid row's swept keys (those after `point`), shown after the label."""
+    keys = list(row)
+    return keys[keys.index("point") + 1:] if "point" in keys else []
+
+
 def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
     return value / base if value is not None and base else None
 
@@ -79,14 +92,16 @@ def _fmt(value: Optional[float], spec: str, unit: str = "") -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The comparison as a Markdown table (ratios and delta against the first preset)."""
-    base = rows[0]["preset"]
-    header = ["preset", "status", "samples/s", f"speedup vs {base}", "peak memory (MiB)", f"memory vs {base}",
+    """The comparison as a Markdown table (ratios and delta against the first row); a grid's has its label and a
+    column per swept key first."""
+    base, swept = label_of(rows[0]), extra_columns(rows[0])
+    grid = ["point", *swept] if "point" in rows[0] else []
+    header = [*grid, "preset", "status", "samples/s", f"speedup vs {base}", "peak memory (MiB)", f"memory vs {base}",
               "final accuracy", f"accuracy delta vs {base}", "skipped steps", "wall time (s)", "run id"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         peak = row["peak_memory_bytes"] / 2**20 if row["peak_memory_bytes"] is not None else None
-        cells = [row["preset"], row["status"], _fmt(row["samples_per_s"], ".1f"), _fmt(row["speedup"], ".2f", "x"),
+        cells = [*(str(row[key]) for key in grid), row["preset"], row["status"], _fmt(row["samples_per_s"], ".1f"), _fmt(row["speedup"], ".2f", "x"),
                  _fmt(peak, ".1f"), _fmt(row["memory_ratio"], ".2f", "x"), _fmt(row["final_accuracy"], ".4f"),
                  _fmt(row["accuracy_delta"], "+.4f"), _fmt(row["skipped_steps"], ".0f"),
                  _fmt(row["wall_time_s"], ".1f"), row["run_id"] or "-"]
@@ -95,22 +110,22 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def verdict(rows: list[dict[str, Any]], max_accuracy_drop: float) -> str:
-    """One line answering "which precision is fastest and smallest, and does it cost accuracy?"."""
+    """One line answering "which is fastest and smallest, and does it cost accuracy?"."""
     done = [row for row in rows if row["status"] == "FINISHED"]
 
     def best(key: str, pick) -> str:
         measured = [row for row in done if row[key] is not None]
-        return pick(measured, key=lambda row: row[key])["preset"] if measured else "-"
+        return label_of(pick(measured, key=lambda row: row[key])) if measured else "-"
 
     base = rows[0]
     if base["final_accuracy"] is None:
-        losing = f"accuracy not compared ({base['preset']} has no final accuracy)"
+        losing = f"accuracy not compared ({label_of(base)} has no final accuracy)"
     else:
-        lost = [row["preset"] for row in done[1:] if row["accuracy_delta"] is not None
+        lost = [label_of(row) for row in done[1:] if row["accuracy_delta"] is not None
                 and row["accuracy_delta"] < -max_accuracy_drop]
-        losing = (f"losing more than {max_accuracy_drop:g} accuracy vs {base['preset']}: "
+        losing = (f"losing more than {max_accuracy_drop:g} accuracy vs {label_of(base)}: "
                   f"{', '.join(lost) if lost else 'none'}")
-    failed = [row["preset"] for row in rows if row["status"] != "FINISHED"]
+    failed = [label_of(row) for row in rows if row["status"] != "FINISHED"]
     return (f"Fastest: {best('samples_per_s', max)}; smallest peak memory: {best('peak_memory_bytes', min)}; "
             f"most accurate: {best('final_accuracy', max)}; {losing}"
             + (f"; not finished: {', '.join(failed)}" if failed else "") + ".")
@@ -121,7 +136,7 @@ def comparison_figure(rows: list[dict[str, Any]]):
     from orchestrator.tracking.plots import _pyplot
 
     plt = _pyplot()
-    presets = [row["preset"] for row in rows]
+    presets = [label_of(row) for row in rows]
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
     bars = speed.bar(presets, [row["samples_per_s"] or 0.0 for row in rows], color="tab:blue")
     for bar, row in zip(bars, rows):

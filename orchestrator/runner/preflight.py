@@ -5,9 +5,9 @@ In order: the data can be had, the model builds (on the CPU here) and takes the 
 also describes the data for the run's MLflow dataset inputs), the precision lint, the `faults` section fits
 the model, this machine can hold the workers, and which run it is (a new name that is not
 taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
-A sweep passes one config per preset: the lint and the run name are checked for each, the rest once on
-the first (only the precision section differs between them). A job for a remote job server skips what
-the cluster checks itself: its data, its capacity and its storage.
+A sweep passes one config per point of its grid: each is checked, what its points share once (the model
+and data once per distinct model, data and task sections, the capacity once per scaling section). A job
+for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
 """
 
 import os
@@ -51,33 +51,34 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
               resume: bool = False) -> Preflight:
     """Check the job as it would run at `address` (None: a local Ray here); BadInput (exit 2) when it cannot.
 
-    `configs`: the job's resolved config, or a sweep's, one per preset (the first is the base).
+    `configs`: the job's resolved config, or a sweep's, one per point of its grid (the first is the base).
     """
     from orchestrator.runner.remote import is_job_server_address
     from orchestrator.train import data, faults, models
 
-    base = configs[0]
     to_job_server = is_job_server_address(address)
-    if not to_job_server:  # a remote job reads its data on the cluster, which checks it there
-        data.ensure_available(base.data)
-    model = models.build_model(base.model)  # a broken model fails here, before Ray starts
-    lineage: dict[str, list] = {}  # per distinct data section (a sweep's children usually share one)
-    if not to_job_server:
-        lineage[repr(base.data)] = check_data_fits_model(base, model)
+    built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
+    lineage: dict[str, list] = {}  # the data's lineage per distinct data section
     for cfg in configs:
-        check_lint(cfg, model)
-    faults.check(base.faults, model)
+        what = repr((cfg.model, cfg.data, cfg.task))
+        if what not in built:
+            if not to_job_server:  # a remote job reads its data on the cluster, which checks it there
+                data.ensure_available(cfg.data)
+            built[what] = models.build_model(cfg.model)  # a broken model fails here, before Ray starts
+            if not to_job_server:
+                lineage[repr(cfg.data)] = check_data_fits_model(cfg, built[what])
+            faults.check(cfg.faults, built[what])
+        check_lint(cfg, built[what])
     if not address:
-        check_local_capacity(base)
+        for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
+            check_local_capacity(cfg)
     if not to_job_server:  # a job server's storage is the cluster's
         for storage in dict.fromkeys(cfg.checkpoint.storage_path for cfg in configs):
             check_storage_writable(storage)
     runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
     for cfg, run in zip(configs, runs):
-        if repr(cfg.data) not in lineage:
-            lineage[repr(cfg.data)] = describe_data(cfg)
         run.datasets = lineage[repr(cfg.data)]
-    return Preflight(model, runs)
+    return Preflight(next(iter(built.values())), runs)
 
 
 def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None) -> list:
