@@ -134,7 +134,7 @@ def test_a_grid_runs_the_cartesian_product_each_point_labelled_by_its_values(wri
 
 
 def test_labels_hold_only_what_a_run_name_can_and_stay_unique():
-    from orchestrator.cli.sweep import point_labels
+    from orchestrator.cli.sweep_grid import point_labels
 
     assert list(point_labels([("precision.preset", ["O0", "O1"])])) == ["O0", "O1"]
     assert list(point_labels([("data.kwargs.path", ["a/b", "a:b"])])) == ["patha_b-1", "patha_b-2"]

@@ -59,8 +59,9 @@ class MlflowWriter:
         """Each system metric's newest logged timestamp (ms): its samples are logged once, by time."""
         self.overflow_log: list[dict[str, Any]] = []
         self.newest: dict[str, Any] = {}
-        self.printed: deque[str] = deque()
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
+        self.printed: deque[str] = deque()
+        """What the workers printed (`run.worker_output`), not yet shown on the console."""
         self.outage_since: Optional[float] = None
         self._retry_at, self._backoff = 0.0, 1.0
         self._stop = threading.Event()
