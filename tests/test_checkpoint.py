@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import ray.train
 import torch
 
 from orchestrator.runner.worker import ray_candidates

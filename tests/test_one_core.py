@@ -1,6 +1,5 @@
 """One training core: the loop every Ray Train worker runs is the Ray-free loop, and the worker adds nothing."""
 
-from pathlib import Path
 
 import pytest
 import torch

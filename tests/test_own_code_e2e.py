@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
 from conftest import REPO
 from test_submit_e2e import only_run

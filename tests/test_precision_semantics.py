@@ -4,7 +4,6 @@ stay the user's, loss scaling that follows the gradients, an optimizer lint that
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import REPO

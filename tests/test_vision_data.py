@@ -5,7 +5,6 @@ downloaded says where to put it."""
 
 import numpy as np
 import pytest
-import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
