@@ -67,6 +67,8 @@ CASES = {
     "grid_bad_value": (small_job(), ["--grid", "run.epochs=1,two"], ["--grid point run.epochs=two", "run.epochs"]),
     "grid_key_also_overridden": (small_job(), ["--grid", "optim.lr=0.1,0.2", "optim.lr=0.3"],
                                  ["optim.lr is swept by --grid"]),
+    "grid_preset_also_overridden": (small_job(), ["--grid", "precision.preset=O0,O1", "precision.preset=O2"],
+                                    ["precision.preset is set by the sweep", "--grid precision.preset="]),
     "grid_unknown_preset": (small_job(), ["--grid", "precision.preset=O0,O7"],
                             ["--grid: precision.preset: unknown preset 'O7'"]),
 }

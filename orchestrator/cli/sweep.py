@@ -86,8 +86,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="an existing Ray cluster (ray://HOST:10001 or HOST:6379; default: $RAY_ADDRESS, "
                              "else a local Ray)")
     parser.add_argument("--max-accuracy-drop", type=float, default=0.01,
-                        help="name presets whose final accuracy is lower than the first's by more than this "
-                             "(0.01 = 1 point)")
+                        help="name the presets (or grid points) whose final accuracy is lower than the first's "
+                             "by more than this (0.01 = 1 point)")
     reference.add_help_config(parser)
     console.add_arguments(parser)
     return parser.parse_intermixed_args(argv)
@@ -133,7 +133,8 @@ def validate(args: argparse.Namespace) -> SweepPlan:
     for item in args.overrides:
         key = item.split("=", 1)[0].strip()
         if key == PRESET_KEY and key in dict(grid):
-            raise BadInput("command line: precision.preset is set by the sweep; list the presets with --presets.")
+            flag = "--presets" if args.presets is not None else "--grid precision.preset=..."
+            raise BadInput(f"command line: precision.preset is set by the sweep; list the presets with {flag}.")
         if key in dict(grid):
             raise BadInput(f"command line: {key} is swept by --grid; leave it out of the overrides.")
     job_path = Path(args.job)
