@@ -75,6 +75,7 @@ def test_resources_per_worker_accepts_any_resource(write_job):
         (small_job(model={"name": "orchestrator.train.models:NoSuchNet"}), [], ["model.name", "NoSuchNet"]),
         (small_job(scaling={"num_workers": 0}), [], ["scaling.num_workers", ">= 1"]),
         (small_job(run={"batch_size": 0}), [], ["run.batch_size", ">= 1"]),
+        (small_job(data={"synthetic_shape": [3, 0, 32]}), [], ["data.synthetic_shape", ">= 1"]),
         (small_job(optim={"lr": float("nan")}), [], ["optim.lr", "finite"]),
         (small_job(optim={"lr": -0.1}), [], ["optim.lr"]),
         (small_job(optim={"name": "lamb"}), [], ["optim.name", "lamb", "adamw"]),

@@ -61,6 +61,12 @@ def test_synthetic_data_has_the_asked_size():
     assert len(train) == 128 and train[0][0].shape == (3, 32, 32)
 
 
+def test_synthetic_samples_take_the_asked_shape():
+    train, test = build_datasets(DataSection(name="synthetic", synthetic_samples=64, synthetic_shape=[1, 28, 28]),
+                                 num_classes=10)
+    assert train[0][0].shape == (1, 28, 28) and test[0][0].shape == (1, 28, 28)
+
+
 @pytest.mark.parametrize("name, params", [("simple_cnn", 268_650), ("resnet18", 11_173_962)])
 def test_registry_models_take_32x32_and_give_logits(name, params):
     model = build_model(ModelSection(name=name, num_classes=10))

@@ -56,6 +56,8 @@ class DataSection:
     """DataLoader worker processes per Ray worker (0 loads in the training process)."""
     synthetic_samples: int = 4096
     """Number of random training samples for `synthetic` (throughput runs only)."""
+    synthetic_shape: List[int] = field(default_factory=lambda: [3, 32, 32])
+    """Shape of one `synthetic` sample (channels, height, width, or any other); CIFAR's by default."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for an import-path dataset factory."""
     transforms: TransformsSection = field(default_factory=TransformsSection)

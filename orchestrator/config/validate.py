@@ -59,6 +59,9 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.data.loader != "device" or cfg.data.loader_workers == 0, "data.loader_workers",
       "must be 0 with data.loader: device (the data is already on the device; there is nothing for "
       "loader processes to do).")
+    shape = list(cfg.data.synthetic_shape)
+    r(len(shape) >= 1 and all(d >= 1 for d in shape), "data.synthetic_shape",
+      f"must be a list of sizes >= 1 (e.g. [3, 32, 32]), got {shape}.")
     r(cfg.ddp.bucket_cap_mb > 0, "ddp.bucket_cap_mb", f"must be > 0 MiB, got {cfg.ddp.bucket_cap_mb}.")
     r(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", f"unknown hook '{cfg.ddp.comm_hook}'. Use one of {', '.join(COMM_HOOKS)}.")
     r(cfg.perf.compile_backend in COMPILE_BACKENDS, "perf.compile_backend",

@@ -2,7 +2,7 @@
 
 `cifar10` is downloaded by torchvision where the network allows; `digits` is
 scikit-learn's real 8x8 digits served as 3x32x32 so CIFAR models run unchanged;
-`synthetic` is random tensors, for throughput only.
+`synthetic` is random tensors of `data.synthetic_shape`, for throughput only.
 
 Two ways to feed a rank (`data.loader`): a torch DataLoader over its shard, or `DeviceLoader`, which
 keeps the whole split on the worker's device and slices batches out of it (no loader processes, no
@@ -126,7 +126,7 @@ def _digits() -> tuple[Dataset, Dataset]:
 def _synthetic(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
     generator = torch.Generator().manual_seed(1234)
     n_train, n_eval = data_cfg.synthetic_samples, max(data_cfg.synthetic_samples // 8, 64)
-    x = torch.randn(n_train + n_eval, 3, 32, 32, generator=generator)
+    x = torch.randn(n_train + n_eval, *data_cfg.synthetic_shape, generator=generator)
     y = torch.randint(0, num_classes, (n_train + n_eval,), generator=generator)
     return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
 
