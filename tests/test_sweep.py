@@ -67,6 +67,8 @@ CASES = {
     "grid_bad_value": (small_job(), ["--grid", "run.epochs=1,two"], ["--grid point run.epochs=two", "run.epochs"]),
     "grid_key_also_overridden": (small_job(), ["--grid", "optim.lr=0.1,0.2", "optim.lr=0.3"],
                                  ["optim.lr is swept by --grid"]),
+    "grid_key_overridden_in_a_section": (small_job(), ["--grid", "optim.lr=0.1,0.2", "optim={lr: 0.3}"],
+                                         ["optim.lr is swept by --grid"]),
     "grid_preset_also_overridden": (small_job(), ["--grid", "precision.preset=O0,O1", "precision.preset=O2"],
                                     ["precision.preset is set by the sweep", "--grid precision.preset="]),
     "grid_unknown_preset": (small_job(), ["--grid", "precision.preset=O0,O7"],
@@ -133,6 +135,15 @@ def test_a_grid_runs_the_cartesian_product_each_point_labelled_by_its_values(wri
     only_lr = validate(parse_args([str(job), "--grid", "optim.lr=0.1,0.05", "run.name=h"]))
     assert list(only_lr.configs) == ["lr0.1", "lr0.05"] and only_lr.presets is None
     assert [cfg.precision.preset for cfg in only_lr.configs.values()] == [None, None]  # the job's own precision
+
+
+def test_a_list_in_brackets_is_one_value_of_the_grid(write_job):
+    from orchestrator.cli.sweep import parse_args, validate
+
+    job = write_job(small_job(run={"name": "g"}, optim={"name": "adamw"}))
+    plan = validate(parse_args([str(job), "--grid", "optim.betas=[0.9, 0.99],[0.8,0.9]", "--grid", "optim.lr=0.1"]))
+    assert [list(cfg.optim.betas) for cfg in plan.configs.values()] == [[0.9, 0.99], [0.8, 0.9]]
+    assert list(plan.configs) == ["betas_0.9_0.99-lr0.1", "betas_0.8_0.9-lr0.1"]
 
 
 def test_labels_hold_only_what_a_run_name_can_and_stay_unique():

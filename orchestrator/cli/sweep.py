@@ -35,6 +35,7 @@ from orchestrator.train import models
 from orchestrator.runner import remote
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import flatten, load_job
+from orchestrator.config.loader import parse_overrides
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
@@ -130,13 +131,14 @@ def validate(args: argparse.Namespace) -> SweepPlan:
     if not 0 <= args.max_accuracy_drop < 1:
         raise BadInput(f"--max-accuracy-drop {args.max_accuracy_drop:g}: must be in [0, 1) (0.01 = 1 point).")
     grid = parse_grid(args.grid, args.presets)
-    for item in args.overrides:
-        key = item.split("=", 1)[0].strip()
-        if key == PRESET_KEY and key in dict(grid):
+    given = parse_overrides(args.overrides)  # `optim.lr=0.3` and `optim={lr: 0.3}` alike
+    for key, _ in grid:
+        if OmegaConf.select(given, key, default=None) is None:
+            continue
+        if key == PRESET_KEY:
             flag = "--presets" if args.presets is not None else "--grid precision.preset=..."
             raise BadInput(f"command line: precision.preset is set by the sweep; list the presets with {flag}.")
-        if key in dict(grid):
-            raise BadInput(f"command line: {key} is swept by --grid; leave it out of the overrides.")
+        raise BadInput(f"command line: {key} is swept by --grid; leave it out of the overrides.")
     job_path = Path(args.job)
     for key, values in grid:  # an unknown key or a value of the wrong type, named as the user gave it
         try:

@@ -1,7 +1,7 @@
 """What a sweep runs: `--presets` and `--grid KEY=V1,V2` into the labelled points of a grid.
 
 A grid is its swept keys with their values in the order given (`--presets P,Q` is the key
-`precision.preset`, first); its points are their cartesian product. A point's label names its child
+`precision.preset`, first; a value in brackets, a list, is one value); its points are their cartesian product. A point's label names its child
 run, its Ray run directory and its `sweep/<label>/...` metrics.
 """
 
@@ -52,7 +52,7 @@ def parse_grid(items: Sequence[str], presets: Optional[str]) -> list[tuple[str, 
         if key == PRESET_KEY:
             grid[key] = parse_presets(text, flag="--grid")
             continue
-        values = [value.strip() for value in text.split(",") if value.strip()]
+        values = split_values(text)
         if not values:
             raise BadInput(f"--grid {item}: no value given. List them comma-separated, e.g. --grid {key}=A,B.")
         repeated = sorted({value for value in values if values.count(value) > 1})
@@ -62,6 +62,21 @@ def parse_grid(items: Sequence[str], presets: Optional[str]) -> list[tuple[str, 
     if not grid:
         raise BadInput("nothing to sweep: give --presets O0,O1 or --grid KEY=V1,V2 (e.g. --grid optim.lr=0.1,0.05).")
     return list(grid.items())
+
+
+def split_values(text: str) -> list[str]:
+    """`V1,V2,...` split at the commas outside brackets, so a list or a mapping is one value:
+    `[3,32,32],[1,28,28]` is two values. Empty values are dropped."""
+    values, depth, start = [], 0, 0
+    for index, char in enumerate(text + ","):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            values.append(text[start:index].strip())
+            start = index + 1
+    return [value for value in values if value]
 
 
 def point_labels(grid: list[tuple[str, list[str]]]) -> dict[str, dict[str, str]]:
