@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from conftest import small_job
@@ -36,34 +37,45 @@ def submit(head: RayHead, job: Path, workdir: Path, stderr_path: Path) -> subpro
                                 cwd=workdir, env=head.client_env(), stdout=subprocess.DEVNULL, stderr=stderr)
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_run_killed(
-        head, signum, exit_code, tmp_path, write_job, mlflow_uri):
-    job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 200, "max_steps_per_epoch": 6},
-                              tracking={"uri": mlflow_uri, "experiment": "signals", "log_every_n_steps": 1},
-                              checkpoint={"every_n_steps": 2}))
-    stderr_path = tmp_path / "stderr.txt"
-    driver = submit(head, job, tmp_path, stderr_path)
+def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_run_killed(head, tmp_path):
+    # SIGINT and SIGTERM each to a driver of its own, both training at once (one worker each) on the test's head.
+    signums = {signal.SIGINT: 130, signal.SIGTERM: 143}
+    drivers = {}
+    for signum in signums:
+        workdir = tmp_path / signal.Signals(signum).name
+        workdir.mkdir()
+        uri = f"sqlite:///{workdir / 'mlflow.db'}"
+        job = workdir / "job.yaml"
+        job.write_text(yaml.safe_dump(small_job(
+            precision={"preset": "O0"}, scaling={"num_workers": 1}, run={"epochs": 200, "max_steps_per_epoch": 6},
+            tracking={"uri": uri, "experiment": "signals", "log_every_n_steps": 1}, checkpoint={"every_n_steps": 2})))
+        drivers[signum] = (submit(head, job, workdir, workdir / "stderr.txt"), workdir, job, uri)
     try:
         deadline = time.monotonic() + 240
-        while not list(tmp_path.glob("ray_results/*/checkpoint_0*/train_state.pt")):  # training, inside fit()
-            assert driver.poll() is None, stderr_path.read_text()
-            assert time.monotonic() < deadline, "no checkpoint appeared"
+        waiting = dict(drivers)
+        while waiting:
+            for signum, (driver, workdir, _, _) in list(waiting.items()):
+                assert driver.poll() is None, (workdir / "stderr.txt").read_text()
+                if list(workdir.glob("ray_results/*/checkpoint_0*/train_state.pt")):  # training, inside fit()
+                    driver.send_signal(signum)
+                    del waiting[signum]
+            assert time.monotonic() < deadline, f"no checkpoint appeared for {sorted(waiting)}"
             time.sleep(0.2)
-        driver.send_signal(signum)
-        returncode = driver.wait(timeout=90)
+        returncodes = {signum: driver.wait(timeout=90) for signum, (driver, *_) in drivers.items()}
     finally:
-        if driver.poll() is None:
-            driver.kill()
-    err = stderr_path.read_text()
-    assert returncode == exit_code, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("interrupted")]
-    assert len(lines) == 1, err
-    assert signal.Signals(signum).name in lines[0]
-    assert f"python -m orchestrator.submit {job} --resume" in lines[0]
-    _, run = only_run(mlflow_uri, "signals")
-    assert run.info.status == "KILLED"
+        for driver, *_ in drivers.values():
+            if driver.poll() is None:
+                driver.kill()
+    for signum, (driver, workdir, job, uri) in drivers.items():
+        err = (workdir / "stderr.txt").read_text()
+        assert returncodes[signum] == signums[signum], err
+        assert "Traceback" not in err, err
+        lines = [line for line in err.splitlines() if line.startswith("interrupted")]
+        assert len(lines) == 1, err
+        assert signal.Signals(signum).name in lines[0]
+        assert f"python -m orchestrator.submit {job} --resume" in lines[0]
+        _, run = only_run(uri, "signals")
+        assert run.info.status == "KILLED"
 
 
 def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(head, tmp_path, write_job, mlflow_uri):
