@@ -229,6 +229,13 @@ def test_a_run_mlflow_never_created_is_a_row_of_its_own():
     assert tuple(row) == ROW_KEYS and row["status"] == "FAILED" and row["samples_per_s"] is None
 
 
+def test_a_failed_baseline_leaves_every_ratio_empty():
+    finished = {**child_row(None, "O0", 0), "status": "FINISHED", "samples_per_s": 100.0,
+                "peak_memory_bytes": 1e8, "final_accuracy": 0.9}
+    rows = add_baseline_ratios([child_row(None, "O2", 1), finished])
+    assert [(row["speedup"], row["memory_ratio"], row["accuracy_delta"]) for row in rows] == [(None,) * 3] * 2
+
+
 # -- end to end ------------------------------------------------------------------------------------
 
 
@@ -252,29 +259,50 @@ def _expected_measurements(client, run_id: str) -> dict:
             "final_accuracy": values("eval/accuracy")[-1], "skipped_steps": values("amp/skipped_steps")[-1]}
 
 
+FAILS_UNDER_FP16_AUTOCAST = """
+import torch
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        if self.training and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+            raise RuntimeError("this model refuses fp16 autocast")
+        return self.body(x)
+"""
+
+
 @pytest.mark.slow
-def test_sweep_runs_each_preset_as_a_child_and_compares_them(tmp_path):
+def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_failed_one(tmp_path):
+    # An import-path model shipped from the sweep's directory; it fails to train under O1 (fp16 autocast) only.
+    # The failing preset is in the middle: the one after it still runs, and the first stays the baseline.
+    (tmp_path / "sweep_nets.py").write_text(FAILS_UNDER_FP16_AUTOCAST)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = tmp_path / "tiny.yaml"
-    job.write_text(yaml.safe_dump(small_job(tracking={"experiment": "sweep-e2e"})))
+    job.write_text(yaml.safe_dump(small_job(model={"name": "sweep_nets:Net"}, tracking={"experiment": "sweep-e2e"})))
     started = time.time()
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "O0,bf16-mixed",
+        [sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "O0,O1,bf16-mixed",
          f"tracking.uri={uri}", f"checkpoint.storage_path={tmp_path / 'ray_results'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr  # one child failed
+    assert "refuses fp16 autocast" in out.stderr
     client, parent, children = _sweep_runs(uri, "sweep-e2e")
 
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == "FAILED"
     assert parent.info.run_name.startswith("tiny-sweep-")
-    assert parent.data.tags["sweep.presets"] == "O0,bf16-mixed"
+    assert parent.data.tags["sweep.presets"] == "O0,O1,bf16-mixed"
     by_preset = {child.data.tags["preset"]: child for child in children}
-    assert sorted(by_preset) == ["O0", "bf16-mixed"] and len(children) == 2
+    assert sorted(by_preset) == ["O0", "O1", "bf16-mixed"] and len(children) == 3
+    assert {preset: child.info.status for preset, child in by_preset.items()} == {
+        "O0": "FINISHED", "O1": "FAILED", "bf16-mixed": "FINISHED"}
     for preset, child in by_preset.items():
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.info.run_name == f"{parent.info.run_name}-{preset}"
-        assert child.info.status == "FINISHED"
         assert child.info.start_time >= started * 1000 - 1000
         assert (tmp_path / "ray_results" / child.info.run_name).is_dir()  # its own Ray run directory
     assert by_preset["bf16-mixed"].data.params["precision.compute_dtype"] == "bfloat16"
@@ -283,19 +311,24 @@ def test_sweep_runs_each_preset_as_a_child_and_compares_them(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
     assert {"sweep/comparison.json", "sweep/comparison.md", "sweep/comparison.png"} <= artifacts
     rows = json.loads(open(client.download_artifacts(parent.info.run_id, "sweep/comparison.json")).read())
-    assert [row["preset"] for row in rows] == ["O0", "bf16-mixed"]
+    assert [(row["preset"], row["status"]) for row in rows] == [
+        ("O0", "FINISHED"), ("O1", "FAILED"), ("bf16-mixed", "FINISHED")]
     for row in rows:
         assert tuple(row) == ROW_KEYS
         child = by_preset[row["preset"]]
-        assert row["run_id"] == child.info.run_id and row["status"] == "FINISHED"
+        assert row["run_id"] == child.info.run_id
+        assert row["wall_time_s"] == pytest.approx((child.info.end_time - child.info.start_time) / 1000)
+        if row["status"] != "FINISHED":
+            continue
         for key, value in _expected_measurements(client, child.info.run_id).items():
             assert row[key] == pytest.approx(value), key
             assert parent.data.metrics[f"sweep/{row['preset']}/{key}"] == pytest.approx(value)
-        assert row["wall_time_s"] == pytest.approx((child.info.end_time - child.info.start_time) / 1000)
-    assert rows[1]["speedup"] == pytest.approx(rows[1]["samples_per_s"] / rows[0]["samples_per_s"])
-    assert rows[1]["accuracy_delta"] == pytest.approx(rows[1]["final_accuracy"] - rows[0]["final_accuracy"])
+    assert rows[1]["speedup"] is None  # the failed child reported nothing to compare
+    assert rows[2]["speedup"] == pytest.approx(rows[2]["samples_per_s"] / rows[0]["samples_per_s"])
+    assert rows[2]["accuracy_delta"] == pytest.approx(rows[2]["final_accuracy"] - rows[0]["final_accuracy"])
 
     assert "| bf16-mixed | FINISHED |" in out.stdout and "Fastest: " in out.stdout
+    assert "not finished: O1" in out.stdout
     assert parent.info.run_id in out.stdout
 
 
@@ -334,47 +367,6 @@ def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(tmp
         assert parent.data.metrics[f"sweep/{row['point']}/final_accuracy"] == pytest.approx(row["final_accuracy"])
     assert "| point | optim.lr | preset | status |" in out.stdout
     assert "| lr0.02-bf16-mixed | 0.02 | bf16-mixed | FINISHED |" in out.stdout
-
-
-FLAKY_UNDER_AUTOCAST = """
-import torch
-import torch.nn as nn
-
-class Net(nn.Module):
-    def __init__(self, num_classes):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 32), nn.ReLU(), nn.Linear(32, num_classes))
-
-    def forward(self, x):
-        if torch.is_autocast_enabled("cpu"):
-            raise RuntimeError("this model refuses autocast")
-        return self.body(x)
-"""
-
-
-@pytest.mark.slow
-def test_a_failed_child_does_not_stop_the_sweep(tmp_path):
-    # An import-path model shipped from the sweep's directory; it fails under bf16 autocast only.
-    # The failing preset comes first: the one after it still runs.
-    (tmp_path / "sweep_nets.py").write_text(FLAKY_UNDER_AUTOCAST)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = tmp_path / "flaky.yaml"
-    job.write_text(yaml.safe_dump(small_job(model={"name": "sweep_nets:Net"},
-                                            tracking={"uri": uri, "experiment": "sweep-fail"})))
-    out = subprocess.run([sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "bf16-mixed,O0"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert "refuses autocast" in out.stderr
-    client, parent, children = _sweep_runs(uri, "sweep-fail")
-    assert parent.info.status == "FAILED"
-    status = {child.data.tags["preset"]: child.info.status for child in children}
-    assert status == {"bf16-mixed": "FAILED", "O0": "FINISHED"}
-    rows = json.loads(open(client.download_artifacts(parent.info.run_id, "sweep/comparison.json")).read())
-    assert [(row["preset"], row["status"]) for row in rows] == [("bf16-mixed", "FAILED"), ("O0", "FINISHED")]
-    o0 = next(child for child in children if child.data.tags["preset"] == "O0")
-    assert rows[1]["final_accuracy"] == pytest.approx(o0.data.metrics["eval/accuracy"])
-    assert rows[1]["speedup"] is None  # no baseline to compare with: the first preset failed
-    assert "not finished: bf16-mixed" in out.stdout
 
 
 @pytest.mark.slow
