@@ -43,7 +43,7 @@ def test_an_image_folder_of_1x28x28_trains_a_one_channel_model_logged_with_that_
     import mlflow
     from ray.train import Checkpoint
 
-    from orchestrator.runner.driver import log_trained_model
+    from orchestrator.runner.outputs import log_trained_model
     from orchestrator.tracking.tracker import RunTracker
 
     cfg = folder_job(write_job, folder)

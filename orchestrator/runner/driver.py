@@ -7,7 +7,6 @@ starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KIL
 """
 
 import logging
-import math
 import os
 import re
 import signal
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
 from omegaconf import DictConfig
 
 from orchestrator import console
@@ -25,7 +23,7 @@ from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_on_sigterm
 from orchestrator.runner.preflight import RunChoice
-from orchestrator.runner import records
+from orchestrator.runner import outputs, records
 from orchestrator.runner.records import close_run
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
@@ -323,21 +321,7 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
               f"Checkpoints: {result.path}", file=sys.stderr)
         plan.result = RunResult(None, "FINISHED", dict(result.metrics or {}), str(result.path), None)
         return EXIT_OK
-    model_uri = None
-    final_checkpoint = chosen_checkpoint(cfg, result, tracker)
-    if cfg.tracking.log_model and final_checkpoint is not None:
-        model_uri = log_trained_model(cfg, final_checkpoint, tracker, module_sources)
-    if model_uri is not None and cfg.tracking.register_model:
-        from orchestrator.tracking.tracker import register_model
-
-        register_model(tracker, model_uri, cfg.tracking.register_model,
-                       {"preset": cfg.precision.preset or "custom", "run_id": tracker.run_id,
-                        **{key: f"{value:.6g}" for key, value in tracker.latest_metrics().items()
-                           if key.startswith(("eval/", "train/loss"))}})
-    tracker.log_plots(cfg.precision.preset)
-    exit_code = EXIT_OK
-    if cfg.export.dtype is not None and final_checkpoint is not None:
-        exit_code = _export_after_training(cfg, final_checkpoint, tracker)
+    model_uri, exit_code = outputs.log_outputs(cfg, result, tracker, module_sources)
     end.close("FINISHED")
 
     final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
@@ -350,60 +334,3 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
     plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code
-
-
-def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequence[Path] = ()) -> Optional[str]:
-    """Log the checkpoint's model (fp32, eval mode) to the run, with an example input of the shape it trained
-    on; returns its URI, or None with a warning when it cannot be logged (the trained run stands either way)."""
-    try:
-        model, sample_shape = _trained_model(cfg, checkpoint)
-        if not sample_shape:
-            raise ValueError("its checkpoint does not record the input shape (written by an older version)")
-        example = np.zeros((2, *sample_shape), dtype=np.float32)  # batch 2 keeps the export's batch dynamic
-        model_format = tracker.log_model(model, example, code_paths=[str(source) for source in module_sources] or None)
-        tracker.set_tag("model_format", model_format)
-        return f"runs:/{tracker.run_id}/model"
-    except Exception as exc:
-        print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
-        return None
-
-
-def chosen_checkpoint(cfg: DictConfig, result, tracker):
-    """The checkpoint whose model is logged (and exported): with `checkpoint.score_metric`, the best of those
-    kept by it, tagged `best_checkpoint_step`; else the final one."""
-    metric = cfg.checkpoint.score_metric
-    if metric is None:
-        return result.checkpoint
-    scored = [(c, m) for c, m in (result.best_checkpoints or []) if isinstance(m.get(metric), (int, float))
-              and not math.isnan(m[metric])]
-    if not scored:
-        print(f"warning: no checkpoint reported {metric} (checkpoint.score_metric); the final one is logged.",
-              file=sys.stderr)
-        return result.checkpoint
-    pick = max if cfg.checkpoint.score_mode == "max" else min
-    checkpoint, metrics = pick(scored, key=lambda pair: pair[1][metric])
-    tracker.set_tags({"best_checkpoint_step": str(int(metrics["step"])), "best_checkpoint_score": str(metrics[metric])})
-    return checkpoint
-
-
-def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
-    """The job's model with the checkpoint's fp32 weights, in eval mode (what is logged and exported predicts:
-    batch statistics never leak into a prediction), and one input's shape as trained on."""
-    from orchestrator.train.checkpoint import load_final_state
-
-    state = load_final_state(checkpoint)
-    model = models.build_model(cfg.model)
-    model.load_state_dict(state.model)
-    return model.eval(), state.sample_shape
-
-
-def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
-    from orchestrator.cli.export import ExportRefused, export
-
-    try:
-        result = export(_trained_model(cfg, checkpoint)[0], cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
-    except ExportRefused as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    print(f"Exported as {result.describe()}")
-    return EXIT_OK
