@@ -132,6 +132,42 @@ def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, planned, mon
         assert records.read_record(planned.plan.cfg.checkpoint.storage_path, "stages")["status"] == "FAILED"
 
 
+def test_a_record_that_cannot_be_written_at_the_end_still_closes_the_run(planned, monkeypatch):
+    """Storage lost while the run closes (its record exists, the final write fails): the error is raised, and the
+    MLflow run is marked FAILED rather than left RUNNING or claimed FINISHED."""
+    from orchestrator.runner import records
+
+    real_write = records.write_record
+
+    def fails_when_closing(storage_path, run_name, **fields):
+        if fields.get("status") not in (None, "RUNNING"):
+            raise OSError(28, "No space left on device (injected)")
+        real_write(storage_path, run_name, **fields)
+
+    monkeypatch.setattr(records, "write_record", fails_when_closing)
+    with pytest.raises(OSError, match="injected"):
+        driver.execute(planned.plan)
+    assert planned.status() == "FAILED"
+
+
+def test_a_failure_logging_the_datasets_closes_the_new_run_and_frees_its_name(write_job, tmp_path, monkeypatch):
+    """The MLflow run exists before its dataset inputs are logged: a failure there ends it FAILED, and the run's
+    directory in storage is released for the next submit."""
+    from orchestrator.tracking.tracker import RunTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage = tmp_path / "ray_results"
+    job = write_job(small_job(tracking={"uri": uri, "experiment": "lineage"},
+                              checkpoint={"storage_path": str(storage)}))
+    monkeypatch.setattr(RunTracker, "log_datasets", _raise("log_datasets"))
+    with pytest.raises(RuntimeError, match="injected: log_datasets"):
+        driver.plan_run(load_job(job), job, None, RunChoice("lineage", datasets=["train", "eval"]))
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("lineage").experiment_id])
+    assert [run.info.status for run in runs] == ["FAILED"]
+    assert not (storage / "lineage").exists()
+
+
 def test_a_run_that_ends_well_with_fakes_is_finished(planned):
     """The stage test's fakes do not fail by themselves: with nothing injected the run ends FINISHED."""
     assert driver.execute(planned.plan) == 0

@@ -82,8 +82,13 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
     if parent_run_id:  # MLflow's UI nests the run under its parent (a sweep)
         tags["mlflow.parentRunId"] = parent_run_id
     tracker = RunTracker.start(uri, cfg, run_name=run_name, tags=tags, params=flatten(cfg), config_yaml=to_yaml(cfg))
-    if datasets:
-        tracker.log_datasets(datasets)
+    try:
+        if datasets:
+            tracker.log_datasets(datasets)
+    except BaseException as exc:  # the run exists from here on: it never stays RUNNING
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        close_run(tracker, "KILLED" if interrupted else "FAILED", timeout_s=10)
+        raise
     return tracker
 
 

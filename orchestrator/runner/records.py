@@ -128,15 +128,21 @@ def close_run(tracker, status: str, timeout_s: float, storage_path: Optional[str
     """End a run as `status` (FINISHED, FAILED or KILLED): its record in `storage_path`, when it has one
     (nothing is created for a run that never got as far as writing it), then its MLflow run (`tracker`,
     None when MLflow never created it), retried for up to `timeout_s` while MLflow is flaky. An MLflow
-    that still does not answer is reported, not raised: the run's end must not hide why it ended."""
+    that still does not answer is reported, not raised: the run's end must not hide why it ended. A record that
+    cannot be written is raised, after the MLflow run was marked FAILED (never left RUNNING)."""
     from orchestrator.tracking.writer import retry
 
-    if storage_path is not None and read_record(storage_path, run_name) is not None:
-        write_record(storage_path, run_name, status=status)
-    if tracker is None:
-        return
+    record_error = None
     try:
-        retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
-    except Exception as exc:
-        print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
-              f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)
+        if storage_path is not None and read_record(storage_path, run_name) is not None:
+            write_record(storage_path, run_name, status=status)
+    except Exception as exc:  # storage went away (a full disk, a lost mount): MLflow still hears how the run ended
+        record_error, status = exc, "FAILED"
+    if tracker is not None:
+        try:
+            retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
+        except Exception as exc:
+            print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
+                  f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)
+    if record_error is not None:
+        raise record_error
