@@ -70,3 +70,15 @@ def test_mlflows_own_view_run_line_and_log_records_are_redacted(server, tmp_path
     assert "early handler: http://ampflow:***@" in out.stderr and "cannot reach http://ampflow:***@" in out.stderr
     assert "exit with http://ampflow:***@" in out.stderr
     assert "s3cret" not in console and "pw123" not in console
+
+
+def test_export_never_prints_the_tracking_uri_s_password(server, tmp_path):
+    """`export` against a store with a password in its URI: the run-not-found error names the store, masked."""
+    uri = server.url.replace("http://", "http://ampflow:s3cret@")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.export", "0" * 32, "--dtype", "float16",
+                          "--tracking-uri", uri], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    console = out.stdout + out.stderr
+    assert out.returncode == 2, console
+    assert "not found at http://ampflow:***@127.0.0.1" in out.stderr, console
+    assert "s3cret" not in console

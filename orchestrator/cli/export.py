@@ -108,7 +108,11 @@ def _trainable_copy(logged: nn.Module, cfg) -> nn.Module:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from orchestrator.tracking.tracker import RunTracker, resolve_uri
+    from orchestrator.tracking.secrets import install_console_redaction, redact
+    from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri
+
+    install_console_redaction()  # before anything can print the tracking URI's password (MLflow's lines included)
+    quick_http_failures()
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator.export",
                                      description="Export a finished run's model in half precision.")
@@ -126,10 +130,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_drop = args.max_accuracy_drop if args.max_accuracy_drop is not None else cfg.export.max_accuracy_drop
         result = export(model, cfg, args.dtype, tracker, max_drop)
     except BadInput as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ExportRefused as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     print(f"exported {args.run_id} as {result.describe()}")
     return EXIT_OK

@@ -62,6 +62,9 @@ def stop(client, job_id: str, address: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from orchestrator.tracking.secrets import install_console_redaction
+
+    install_console_redaction()  # job logs and errors may carry a URI's password or a token
     args = parse_args(argv)
     try:
         if not args.address:

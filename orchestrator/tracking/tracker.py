@@ -188,7 +188,7 @@ class RunTracker:
         try:
             run = MlflowClient(tracking_uri=uri).get_run(run_id)
         except MlflowException as exc:
-            raise BadInput(f"run {run_id} not found at {uri} ({exc.message}). Pass --tracking-uri "
+            raise BadInput(f"run {run_id} not found at {redact(uri)} ({redact(exc.message)}). Pass --tracking-uri "
                            "or set MLFLOW_TRACKING_URI to the store the run is in.") from None
         return cls(uri, run.info.experiment_id, run_id)
 
