@@ -18,6 +18,12 @@ CASES = {
                        "model.name: 'subprocess:run'"),
     "builtins_exec": (small_job(model={"name": "builtins:exec", "kwargs": {"source": f"open('{MARKER}', 'w')"}}), [],
                       "model.name: 'builtins:exec'"),
+    # The same for the other import paths of a job: data, loss and metrics.
+    "data_os_system": (small_job(data={"name": "os:system", "kwargs": {"command": f"touch {MARKER}"}}), [],
+                       "data.name: 'os:system'"),
+    "loss_builtins_exec": (small_job(task={"loss": "builtins:exec"}), [], "task.loss: 'builtins:exec'"),
+    "metric_subprocess_run": (small_job(task={"metrics": ["accuracy", "subprocess:run"]}), [],
+                              "'subprocess:run'"),
     "num_classes_negative": (small_job(), ["model.num_classes=-1"], "model.num_classes: must be >= 1"),
     "run_name_escapes_storage": (small_job(), ["run.name=../../ESCAPED"], "run.name: '../../ESCAPED'"),
     "run_name_hidden": (small_job(), ["run.name=.hidden"], "run.name: '.hidden'"),
