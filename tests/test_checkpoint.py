@@ -200,3 +200,36 @@ def test_reports_kept_for_replay_load_with_the_checkpoint(tmp_path):
     write_checkpoint_files(directory, 0, shared_state(6),
                            {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}, "unlogged": [kept]})
     assert read_checkpoint(directory, rank=0).rank.unlogged == [kept]
+
+
+STAGE_AND_DIE = """
+import os, signal
+from orchestrator.train import rng
+from orchestrator.train.checkpoint import staged_checkpoint
+with staged_checkpoint(0, None, {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}}, step=2) as d:
+    print(d, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_checkpoint_staged_by_a_killed_process_is_removed_when_training_next_starts(write_job, tmp_path,
+                                                                                     monkeypatch):
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from conftest import REPO, small_job
+    from orchestrator.config import load_job
+    from orchestrator.train.local import spawn
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the staging area of both processes below
+    killed = subprocess.run([sys.executable, "-c", STAGE_AND_DIE], env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    staged = Path(killed.stdout.strip())
+    assert staged.parent == tmp_path and any(staged.iterdir()), "the killed process left a staged checkpoint"
+
+    cfg = load_job(write_job(small_job(scaling={"num_workers": 1}, run={"epochs": 1, "max_steps_per_epoch": 1})))
+    spawn(OmegaConf.to_container(cfg, resolve=True), world_size=1, directory=tmp_path / "run")
+    assert not staged.exists()
