@@ -71,6 +71,31 @@ def test_a_resumed_runs_replayed_reports_fill_the_gap_once_and_the_writer_says_h
     assert told == [5]
 
 
+def test_a_report_counts_as_logged_only_once_all_of_its_records_are_in(tracker, monkeypatch):
+    """MLflow takes a report's metrics, then fails on its overflow records: the writer does not yet say the report
+    is logged (the workers would drop it, and a driver dying now would lose those records); once MLflow takes
+    them too, it does."""
+    told = []
+    writer = MlflowWriter(relay=None, tracker=tracker, on_logged=told.append)
+    writer.enqueue({"step": 2, "seq": 1, "train/loss": 0.9}, [])
+    writer.enqueue({"step": 4, "seq": 2, "train/loss": 0.8}, [{"step": 3, "rank": 1, "event": "overflow"}])
+    real_log_dict = RunTracker.log_dict
+
+    def refuses(self, value, path):
+        raise ConnectionError("MLflow went away (injected)")
+
+    monkeypatch.setattr(RunTracker, "log_dict", refuses)
+    assert not writer._flush(force=True)
+    writer._tell_logged(force=True)
+    assert [m.step for m in tracker.metric_history("train/loss")] == [2, 4]  # report 2's metrics are in
+    assert told == [1]
+    monkeypatch.setattr(RunTracker, "log_dict", real_log_dict)
+    assert writer._flush(force=True)
+    writer._tell_logged(force=True)
+    assert told == [1, 2]
+    assert writer.close(timeout_s=0) == 0
+
+
 def test_the_logged_through_record_round_trips_and_a_missing_or_torn_one_reads_as_nothing(tmp_path):
     from pyarrow import fs
 

@@ -91,10 +91,11 @@ class MlflowWriter:
         while not self._flush(force=True) and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         self._tell_logged(force=True)
-        if self.pending:
-            print(f"error: MLflow did not take {len(self.pending)} record(s) within tracking.flush_timeout_s="
+        unsent = sum(kind != "logged" for kind, _ in self.pending)
+        if unsent:
+            print(f"error: MLflow did not take {unsent} record(s) within tracking.flush_timeout_s="
                   f"{timeout_s:g}s; they are lost. Check that the tracking server is up.", file=sys.stderr)
-        return len(self.pending)
+        return unsent
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -135,7 +136,7 @@ class MlflowWriter:
         self.newest = {**self.newest, **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
         metrics = {key: float(value) for key, value in report.items()
                    if key not in CONTROL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
-        self.pending.append(("metrics", (int(report["step"]), timestamp, metrics, int(report.get("seq", 0)))))
+        self.pending.append(("metrics", (int(report["step"]), timestamp, metrics)))
         for sample in report.get(SYSTEM_SAMPLES, []):
             self.pending.append(("system", (int(sample["step"]), int(sample["t"]), sample["m"])))
         if report.get("tags"):
@@ -148,6 +149,8 @@ class MlflowWriter:
         for warning in report.get("warnings", []):
             print(f"warning: {warning}", file=sys.stderr)
             self.pending.append(("tags", {"warning.resume": warning}))
+        # Last: the report counts as logged (and the workers may drop it) only once all of its records are in.
+        self.pending.append(("logged", int(report.get("seq", 0))))
 
     # -- records -> MLflow ------------------------------------------------------------------------
 
@@ -177,12 +180,13 @@ class MlflowWriter:
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "metrics":
-            step, timestamp, metrics, seq = payload
+            step, timestamp, metrics = payload
             fresh = {key: value for key, value in metrics.items() if step > self.last_step.get(key, -1)}
             if fresh:
                 self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
             self.last_step.update(dict.fromkeys(fresh, step))
-            self.logged_seq = max(self.logged_seq, seq)
+        elif kind == "logged":
+            self.logged_seq = max(self.logged_seq, payload)
         elif kind == "system":
             step, timestamp, metrics = payload
             fresh = {key: value for key, value in metrics.items() if timestamp > self.last_time.get(key, -1)}
