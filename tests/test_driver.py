@@ -213,3 +213,20 @@ def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resu
     assert caught.value.signum == signal.SIGINT and caught.value.exit_code == 130
     assert f"python -m orchestrator.submit {planned.plan.job_path} --resume" in caught.value.describe()
     assert planned.status() == "KILLED"
+
+
+def test_submit_turns_a_driver_failure_into_exit_1_and_one_line_naming_it_and_where(write_job, tmp_path,
+                                                                                    monkeypatch, capsys):
+    from orchestrator.cli.submit import main
+
+    def fails(plan):
+        raise RuntimeError("injected: driver")
+
+    monkeypatch.setattr(driver, "execute", fails)
+    monkeypatch.chdir(tmp_path)
+    job = write_job(small_job(checkpoint={"storage_path": str(tmp_path / "ray_results")}))
+    assert main([str(job)]) == driver.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "error: the driver failed: RuntimeError: injected: driver" in err
+    assert f"at {__file__}:" in err and "in fails" in err
+    assert "Traceback" not in err
