@@ -48,6 +48,14 @@ CASES = {
                              "export.dtype: the export is checked by its accuracy drop"),
     "unknown_loss": (small_job(task={"loss": "hinge"}), [], "task.loss: unknown loss 'hinge'"),
     "data_factory_missing": (small_job(data={"name": "nowhere_data:make"}), [], "nowhere_data"),
+    # A metric the job does not evaluate is named before training, not after its first evaluation on the workers.
+    "early_stopping_metric_typo": (small_job(run={"early_stopping": {"metric": "eval/acuracy"}}), [],
+                                   "run.early_stopping.metric: 'eval/acuracy' is not a metric this job evaluates. "
+                                   "It logs eval/accuracy, eval/loss"),
+    "score_metric_not_evaluated": (small_job(checkpoint={"score_metric": "eval/top5", "score_mode": "max"}), [],
+                                   "checkpoint.score_metric: 'eval/top5' is not a metric this job evaluates"),
+    "loss_fails_on_the_outputs": (small_job(task={"loss": "bce_with_logits", "metrics": []}), [],
+                                  "task.loss: 'bce_with_logits' fails on model simple_cnn's outputs (2x10)"),
     # Storage that cannot be written is found before Ray starts or a run is created.
     "storage_unwritable": (small_job(checkpoint={"storage_path": "/proc/ampflow-x"}), [],
                            "checkpoint.storage_path: cannot write checkpoints to /proc/ampflow-x"),

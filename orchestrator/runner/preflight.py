@@ -59,6 +59,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     to_job_server = is_job_server_address(address)
     built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
     lineage: dict[str, list] = {}  # the data's lineage per distinct data section
+    evaluated: dict[str, set[str]] = {}  # the eval/... metrics each distinct model, data and task logs
     for cfg in configs:
         what = repr((cfg.model, cfg.data, cfg.task))
         if what not in built:
@@ -66,8 +67,10 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
                 data.ensure_available(cfg.data)
             built[what] = models.build_model(cfg.model)  # a broken model fails here, before Ray starts
             if not to_job_server:
-                lineage[repr(cfg.data)] = check_data_fits_model(cfg, built[what])
+                lineage[repr(cfg.data)], evaluated[what] = check_data_fits_model(cfg, built[what])
             faults.check(cfg.faults, built[what])
+        if what in evaluated:
+            check_metric_names(cfg, evaluated[what])
         check_lint(cfg, built[what])
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
@@ -90,11 +93,13 @@ def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None) -> list:
     return describe(cfg.data, [("train", train), ("eval", evaluation)])
 
 
-def check_data_fits_model(cfg: DictConfig, model) -> list:
-    """Two samples of the training set through the model on the CPU: a model that cannot take the data's shape,
-    or whose outputs do not match the number of classes the data has, is refused naming both. Returns the
-    data's lineage (`describe_data`)."""
+def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
+    """Two samples of the training set through the model, the loss and the metrics on the CPU: a model that
+    cannot take the data's shape, or whose outputs do not match the number of classes the data has, is refused
+    naming both; so is a loss or metric that fails on them. Returns the data's lineage (`describe_data`) and the
+    names of the metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
     import torch
+    from torch.utils.data import default_collate
 
     from orchestrator.train.data import build_datasets
     from orchestrator.train.modes import eval_mode
@@ -102,8 +107,8 @@ def check_data_fits_model(cfg: DictConfig, model) -> list:
     train, evaluation = build_datasets(cfg.data, cfg.model.num_classes)
     if len(train) == 0:
         raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
-    samples = [train[i] for i in range(min(2, len(train)))]
-    inputs = torch.stack([torch.as_tensor(x) for x, _ in samples]).float()
+    inputs, targets = default_collate([train[i] for i in range(min(2, len(train)))])  # as the loaders batch them
+    inputs = inputs.float()
     shape = "x".join(str(d) for d in inputs.shape[1:])
     try:
         with torch.no_grad(), eval_mode(model):
@@ -117,7 +122,40 @@ def check_data_fits_model(cfg: DictConfig, model) -> list:
             and outputs.shape[1] != len(classes):
         raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
-    return describe_data(cfg, (train, evaluation))
+    return describe_data(cfg, (train, evaluation)), evaluated_metrics(cfg, outputs, targets)
+
+
+def evaluated_metrics(cfg: DictConfig, outputs, targets) -> set[str]:
+    """The job's loss and metrics on the model's outputs for two samples: the names an evaluation logs."""
+    from orchestrator.train.task import build_loss, build_metrics
+
+    def refuse(key: str, name: str, exc: Exception) -> BadInput:
+        return BadInput(f"{key}: '{name}' fails on model {cfg.model.name}'s outputs ({'x'.join(map(str, outputs.shape))}"
+                        f") for data {cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). Fix it, or choose a "
+                        "loss or metric for this kind of output.")
+
+    try:
+        build_loss(cfg.task)(outputs, targets)
+    except Exception as exc:
+        raise refuse("task.loss", cfg.task.loss, exc) from None
+    names = {"eval/loss"}
+    for name, metric in zip(cfg.task.metrics, build_metrics(cfg.task)):
+        try:
+            names.update(f"eval/{key}" for key in metric(outputs, targets))
+        except Exception as exc:
+            raise refuse("task.metrics", name, exc) from None
+    return names
+
+
+def check_metric_names(cfg: DictConfig, evaluated: set[str]) -> None:
+    """`run.early_stopping.metric` and `checkpoint.score_metric` name a metric the evaluation logs: a typo would
+    otherwise surface only after the first evaluation, on the workers."""
+    stopping = cfg.run.early_stopping
+    for key, name in (("run.early_stopping.metric", stopping.metric if stopping is not None else None),
+                      ("checkpoint.score_metric", cfg.checkpoint.score_metric)):
+        if name is not None and name not in evaluated:
+            raise BadInput(f"{key}: '{name}' is not a metric this job evaluates. It logs "
+                           f"{', '.join(sorted(evaluated))} (task.metrics={list(cfg.task.metrics)}).")
 
 
 def check_lint(cfg: DictConfig, model) -> None:
