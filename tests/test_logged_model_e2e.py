@@ -9,8 +9,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_path, write_job, mlflow_uri,
-                                                             monkeypatch):
+                                                             monkeypatch, capsys):
+    """Also: a registry that refuses `tracking.register_model` costs a warning, and the run still ends FINISHED
+    with its model logged."""
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
@@ -22,12 +25,20 @@ def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_pat
     storage = tmp_path / "ray_results"
     job = write_job(small_job(model={"name": "resnet18"}, precision={"preset": "O0"},
                               run={"name": "logged", "max_steps_per_epoch": 3},
-                              tracking={"uri": mlflow_uri, "experiment": "logged", "log_model": True},
+                              tracking={"uri": mlflow_uri, "experiment": "logged", "log_model": True,
+                                        "register_model": "refused"},
                               checkpoint={"storage_path": str(storage)}))
     monkeypatch.chdir(tmp_path)
+
+    def no_registry(*args, **kwargs):
+        raise MlflowException("this tracking server has no model registry")
+
+    monkeypatch.setattr(MlflowClient, "create_model_version", no_registry)
     assert main([str(job)]) == 0
+    assert "could not register the model as 'refused'" in capsys.readouterr().err
     client = MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("logged").experiment_id])
+    assert run.info.status == "FINISHED" and "registered_model" not in run.data.tags
     logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model()
 
     cfg = load_job(job, [])
@@ -47,7 +58,8 @@ def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_sess
                                                                          mlflow_uri, monkeypatch):
     """Scored by the lowest eval/loss, with a learning rate high enough that the last epoch is not the best
     (this job's losses: about 2.2, 1.9, 4.2): the logged model has the best checkpoint's weights, not the final
-    ones, and the run says from which step."""
+    ones, and the run says from which step. With `tracking.register_model` that model is version 1 of the
+    registered name, tagged with the preset, the run and its final metrics."""
     from mlflow import MlflowClient
 
     from orchestrator.cli.submit import main
@@ -56,7 +68,8 @@ def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_sess
 
     storage = tmp_path / "ray_results"
     job = write_job(small_job(precision={"preset": "O0"}, run={"name": "best", "epochs": 3, "max_steps_per_epoch": 4},
-                              tracking={"uri": mlflow_uri, "experiment": "best", "log_model": True},
+                              tracking={"uri": mlflow_uri, "experiment": "best", "log_model": True,
+                                        "register_model": "digits-best"},
                               checkpoint={"storage_path": str(storage), "num_to_keep": 3,
                                           "score_metric": "eval/loss", "score_mode": "min"}))
     monkeypatch.chdir(tmp_path)
@@ -74,3 +87,8 @@ def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_sess
     for name, weight in chosen.items():
         torch.testing.assert_close(logged[name], weight, rtol=0, atol=0, msg=name)
     assert any(not torch.equal(logged[name], last[name]) for name in last)
+
+    version = client.get_model_version("digits-best", "1")
+    assert run.data.tags["registered_model"] == "digits-best/1" and version.run_id == run.info.run_id
+    assert version.tags["preset"] == "O0" and version.tags["run_id"] == run.info.run_id
+    assert float(version.tags["eval/loss"]) == pytest.approx(losses[12], rel=1e-5)  # the run's final value

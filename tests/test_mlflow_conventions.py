@@ -59,6 +59,12 @@ def _run_with_a_logged_model(uri: str, write_job, name: str) -> tuple[RunTracker
 
 
 def test_register_model_adds_a_version_per_run_tagged_with_the_run(write_job, mlflow_uri):
+    """Versions 1 then 2, in the run's own store, and MLflow's process-wide registry URI is left unset (a later
+    client in the same process, or a subprocess through the environment, would otherwise be pinned to it)."""
+    import os
+
+    import mlflow
+
     for expected in ("1", "2"):
         tracker, uri = _run_with_a_logged_model(mlflow_uri, write_job, f"run{expected}")
         assert register_model(tracker, uri, "digits-cnn", {"preset": "O1", "run_id": tracker.run_id,
@@ -66,10 +72,10 @@ def test_register_model_adds_a_version_per_run_tagged_with_the_run(write_job, ml
         version = MlflowClient(tracking_uri=mlflow_uri).get_model_version("digits-cnn", expected)
         assert version.run_id == tracker.run_id and version.tags["preset"] == "O1"
         assert version.tags["eval/accuracy"] == "0.95"
+    assert "MLFLOW_REGISTRY_URI" not in os.environ and mlflow.get_registry_uri() == mlflow.get_tracking_uri()
 
 
 def test_a_registry_that_refuses_is_a_warning_not_a_failure(write_job, mlflow_uri, monkeypatch, capsys):
-    import mlflow
     from mlflow.exceptions import MlflowException
 
     tracker, uri = _run_with_a_logged_model(mlflow_uri, write_job, "refused")
@@ -77,7 +83,7 @@ def test_a_registry_that_refuses_is_a_warning_not_a_failure(write_job, mlflow_ur
     def no_registry(*args, **kwargs):
         raise MlflowException("this tracking server has no model registry")
 
-    monkeypatch.setattr(mlflow, "register_model", no_registry)
+    monkeypatch.setattr(MlflowClient, "create_model_version", no_registry)
     assert register_model(tracker, uri, "digits-cnn", {}) is None
     assert "could not register the model as 'digits-cnn'" in capsys.readouterr().err
     assert "registered_model" not in MlflowClient(tracking_uri=mlflow_uri).get_run(tracker.run_id).data.tags

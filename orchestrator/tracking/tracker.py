@@ -88,24 +88,43 @@ def standard_tags(job_path: Path, directory: Path) -> dict[str, str]:
 
 
 def register_model(tracker: "RunTracker", model_uri: str, name: str, tags: dict[str, Any]) -> Optional[str]:
-    """`tracking.register_model`: the logged model as a new version of `name`, tagged; its version, or None
-    with a warning when the registry refuses (the run stands either way)."""
-    import mlflow
+    """`tracking.register_model`: the logged model (`runs:/RUN/NAME` or `models:/ID`) as a new version of `name`
+    in the run's own store, tagged; its version, or None with a warning when the registry refuses (the run stands
+    either way). Through a client of its own: MLflow's global tracking and registry URIs (and their environment
+    variables, which subprocesses inherit) are left as they were."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
-    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     try:
-        mlflow.set_tracking_uri(tracker.uri)
-        mlflow.set_registry_uri(tracker.uri)
-        version = mlflow.register_model(model_uri, name, tags=redact_all({k: str(v) for k, v in tags.items()}))
+        client = MlflowClient(tracking_uri=tracker.uri, registry_uri=tracker.uri)
+        model_id = _logged_model_id(client, model_uri)
+        try:
+            client.create_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+        version = client.create_model_version(name, source=f"models:/{model_id}", run_id=tracker.run_id,
+                                              tags=redact_all({k: str(v) for k, v in tags.items()}),
+                                              model_id=model_id)
         tracker.set_tag("registered_model", f"{name}/{version.version}")
         return str(version.version)
     except Exception as exc:
         print(f"warning: could not register the model as '{name}' ({type(exc).__name__}: {redact(str(exc))[:300]}); "
               "the run and its logged model are kept.", file=sys.stderr)
         return None
-    finally:
-        mlflow.set_tracking_uri(previous[0])
-        mlflow.set_registry_uri(previous[1])
+
+
+def _logged_model_id(client, model_uri: str) -> str:
+    """The id of the logged model a `models:/ID` or `runs:/RUN/NAME` URI names (the newest of that name)."""
+    if model_uri.startswith("models:/"):
+        return model_uri.removeprefix("models:/")
+    run_id, _, name = model_uri.removeprefix("runs:/").partition("/")
+    outputs = client.get_run(run_id).outputs
+    logged = [client.get_logged_model(output.model_id) for output in (outputs.model_outputs if outputs else [])]
+    named = [model for model in logged if model.name == name]
+    if not named:
+        raise ValueError(f"run {run_id} has no logged model named '{name}'")
+    return max(named, key=lambda model: model.creation_timestamp).model_id
 
 
 @contextlib.contextmanager
