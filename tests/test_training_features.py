@@ -117,3 +117,41 @@ def test_early_stopping_counts_evaluations_without_an_improvement_beyond_min_del
     assert decisions == [False, False, False, False, False, True]
     resumed = EarlyStopping(section, stopping.state())
     assert resumed.best == 0.62 and resumed.evaluations_without_improvement == 2
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step_and_updates_the_loss_scale_once(write_job, tmp_path):
+    """Under fp16 autocast + GradScaler, 4 micro-batches make one optimizer step: DDP all-reduces the gradients
+    only on the last (`no_sync` on the others) and the scaler steps and updates once."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from orchestrator.train.step import accumulated_step
+
+    cfg = load_job(write_job(small_job(precision={"preset": "O1"}, scaling={"num_workers": 1},
+                                       run={"batch_size": 8, "accumulate_steps": 4})))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        all_reduces = []
+
+        def counting(state, bucket):
+            all_reduces.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        def wrap(model):
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ddp.register_comm_hook(None, counting)
+            return ddp
+
+        torch.manual_seed(0)
+        training = build_training(cfg, CPU, total_steps=10, wrap=wrap)
+        train_loader, _, position = build_rank_loaders(cfg, 0, 1, CPU)
+        position.set_position(0, 0, cfg.run.batch_size)
+        batches = iter(train_loader)
+        _, outcome = accumulated_step(training, [next(batches) for _ in range(4)], CPU, step=1)
+        buckets = sorted(set(all_reduces))
+        assert all_reduces == buckets, f"gradients all-reduced more than once in one optimizer step: {all_reduces}"
+        assert outcome.stepped
+        scaler = training.precision.guard.scaler
+        assert int(scaler._growth_tracker.item()) == 1, "the loss scale must be updated once per optimizer step"
+    finally:
+        dist.destroy_process_group()
