@@ -129,3 +129,17 @@ def test_every_shipped_job_and_preset_resolves():
     assert set(available_presets()) == {path.stem for path in (REPO / "configs" / "precision").glob("*.yaml")}
     for preset in available_presets():
         assert load_job(REPO / "jobs" / "quickstart.yaml", [f"precision.preset={preset}"])
+
+
+def test_an_export_needs_class_scores_which_your_own_loss_gives_when_you_evaluate_accuracy(write_job, tmp_path,
+                                                                                            monkeypatch):
+    """The export is judged by its accuracy drop: allowed for cross-entropy, and for a classification loss of your
+    own with `accuracy` among the metrics; refused, naming export.dtype, for your own loss without it."""
+    (tmp_path / "my_losses.py").write_text(
+        "import torch.nn.functional as F\n\ndef focal(outputs, targets):\n    return F.cross_entropy(outputs, targets)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = {"loss": "my_losses:focal"}
+    cfg = load_job(write_job(small_job(task={**own, "metrics": ["accuracy"]}, export={"dtype": "float16"})))
+    assert cfg.export.dtype == "float16"
+    with pytest.raises(BadInput, match="export.dtype: the export is checked by its accuracy drop"):
+        load_job(write_job(small_job(task={**own, "metrics": []}, export={"dtype": "float16"}), "no-accuracy.yaml"))

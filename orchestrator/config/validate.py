@@ -131,9 +131,13 @@ def validate(cfg: DictConfig, source: str) -> None:
     export_dtype = cfg.export.dtype
     r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
-    r(export_dtype is None or cfg.task.loss == "cross_entropy", "export.dtype",
+    # Class scores: cross-entropy's outputs, or your own loss's when you evaluate accuracy on them.
+    scores = cfg.task.loss in task.CLASSIFICATION_LOSSES or (
+        task.is_import_path(cfg.task.loss) and "accuracy" in cfg.task.metrics)
+    r(export_dtype is None or scores, "export.dtype",
       f"the export is checked by its accuracy drop, which needs class scores; task.loss is '{cfg.task.loss}'. "
-      "Leave export.dtype null for this task.")
+      "Leave export.dtype null for this task (with a classification loss of your own, add 'accuracy' to "
+      "task.metrics).")
     r(cfg.tracking.log_every_n_steps >= 1, "tracking.log_every_n_steps", "must be >= 1.")
     r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
     r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")
