@@ -74,6 +74,13 @@ def test_registry_models_take_32x32_and_give_logits(name, params):
     assert sum(p.numel() for p in model.parameters()) == params
 
 
+@pytest.mark.parametrize("name, kwargs", [("simple_cnn", {"in_channels": 1, "image_size": 28}),
+                                          ("resnet18", {"in_channels": 1})])
+def test_registry_models_take_one_channel_28x28_through_their_kwargs(name, kwargs):
+    model = build_model(ModelSection(name=name, num_classes=7, kwargs=kwargs))
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 7)
+
+
 def test_import_path_model_from_the_current_directory(tmp_path, monkeypatch):
     (tmp_path / "mynets_local.py").write_text(
         "import torch.nn as nn\n"
