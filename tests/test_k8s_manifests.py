@@ -195,14 +195,16 @@ def test_ray_image_tags_match_the_pinned_ray_and_python(overlay):
         assert spec["rayVersion"] == version, where
 
 
-def test_the_rayjob_ships_the_images_project_directory():
+def test_the_rayjob_ships_the_images_project_directory_and_gives_a_stop_time_to_close_the_run():
     dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
     (workdir,) = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("WORKDIR ")]
     for directory in ("orchestrator", "configs", "jobs"):
         assert f"COPY --chown=1000:100 {directory} ./{directory}" in dockerfile
     for name in OVERLAYS:
         job = one(render(REPO / "k8s" / "overlays" / name), "RayJob")
-        assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"working_dir": workdir}
+        from orchestrator.runner.remote import STOP_GRACE_ENV
+
+        assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"working_dir": workdir, "env_vars": STOP_GRACE_ENV}
 
 
 def test_every_ray_pod_reports_to_the_mlflow_service(overlay):

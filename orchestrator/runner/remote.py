@@ -58,6 +58,12 @@ def job_path_in_project(job_path: Path, project_dir: Path) -> str:
     return resolved.relative_to(project).as_posix()
 
 
+# `jobs stop` (Ray's stop_job) sends the job's driver SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s by
+# default), which a loaded driver can need more than to flush its MLflow writer and close the run KILLED. Ray's job
+# supervisor reads the variable from the job's own runtime_env (Ray 2.60 `JobSupervisor.stop`).
+STOP_GRACE_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "30"}
+
+
 def connect(address: str):
     """A JobSubmissionClient for `address`; BadInput (nothing submitted) when it cannot be used."""
     from ray.exceptions import AuthenticationError
@@ -95,7 +101,8 @@ def submit(job_path: Path, overrides: Sequence[str], address: str, *, wait: bool
     try:
         job_id = client.submit_job(
             entrypoint=command,
-            runtime_env={"working_dir": str(project_dir), "excludes": WORKING_DIR_EXCLUDES},
+            runtime_env={"working_dir": str(project_dir), "excludes": WORKING_DIR_EXCLUDES,
+                         "env_vars": STOP_GRACE_ENV},
             metadata={"ampflow_job_file": job_in_project},
         )
     except AuthenticationError as exc:
