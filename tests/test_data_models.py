@@ -61,6 +61,22 @@ def test_synthetic_data_has_the_asked_size():
     assert len(train) == 128 and train[0][0].shape == (3, 32, 32)
 
 
+def test_a_long_synthetic_set_cycles_through_a_bounded_pool_of_distinct_samples():
+    """A million samples keep their count, but hold (and cost the time of) SYNTHETIC_DISTINCT; the device path
+    still gets one row per sample."""
+    from orchestrator.train.data import SYNTHETIC_DISTINCT, device_split
+
+    train, test = build_datasets(DataSection(name="synthetic", synthetic_samples=1_000_000), num_classes=10)
+    assert len(train) == 1_000_000 and len(test) == 125_000
+    assert train.tensors[0].shape[0] == SYNTHETIC_DISTINCT
+    last = len(train) - 1
+    assert torch.equal(train[last][0], train[last % SYNTHETIC_DISTINCT][0])
+    assert not torch.equal(train[0][0], train[1][0])
+    small, _ = build_datasets(DataSection(name="synthetic", synthetic_samples=5000), num_classes=10)
+    split = device_split(small, augment=False)
+    assert split.images.shape[0] == 5000 and torch.equal(split.images[4999], small[4999][0])
+
+
 def test_synthetic_samples_take_the_asked_shape():
     train, test = build_datasets(DataSection(name="synthetic", synthetic_samples=64, synthetic_shape=[1, 28, 28]),
                                  num_classes=10)

@@ -55,7 +55,7 @@ class DataSection:
     loader_workers: int = 0
     """DataLoader worker processes per Ray worker (0 loads in the training process)."""
     synthetic_samples: int = 4096
-    """Number of random training samples for `synthetic` (throughput runs only)."""
+    """Number of training samples for `synthetic` (throughput runs only): 4096 distinct random ones, repeated."""
     synthetic_shape: List[int] = field(default_factory=lambda: [3, 32, 32])
     """Shape of one `synthetic` sample (channels, height, width, or any other); CIFAR's by default."""
     kwargs: Dict[str, Any] = field(default_factory=dict)

@@ -123,12 +123,36 @@ def _digits() -> tuple[Dataset, Dataset]:
     )
 
 
+SYNTHETIC_DISTINCT = 4096
+"""Distinct random samples per `synthetic` split; a longer split repeats them. Throughput needs the shape and the
+count, not new noise: a million CIFAR-sized samples would otherwise take 12 GB and seconds to generate in every
+process that builds the data (pre-flight on the driver, each worker)."""
+
+
+class RepeatedSamples(TensorDataset):
+    """`length` samples cycling through the tensors' rows (`tensors` holds the distinct ones)."""
+
+    def __init__(self, *tensors: torch.Tensor, length: int):
+        super().__init__(*tensors)
+        self.length = length
+
+    def __getitem__(self, index: int):
+        return super().__getitem__(index % len(self.tensors[0]))
+
+    def __len__(self) -> int:
+        return self.length
+
+
 def _synthetic(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
     generator = torch.Generator().manual_seed(1234)
     n_train, n_eval = data_cfg.synthetic_samples, max(data_cfg.synthetic_samples // 8, 64)
-    x = torch.randn(n_train + n_eval, *data_cfg.synthetic_shape, generator=generator)
-    y = torch.randint(0, num_classes, (n_train + n_eval,), generator=generator)
-    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+    splits = []
+    for n in (n_train, n_eval):
+        distinct = min(n, SYNTHETIC_DISTINCT)
+        x = torch.randn(distinct, *data_cfg.synthetic_shape, generator=generator)
+        y = torch.randint(0, num_classes, (distinct,), generator=generator)
+        splits.append(RepeatedSamples(x, y, length=n))
+    return splits[0], splits[1]
 
 
 def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
@@ -223,6 +247,9 @@ class DeviceSplit:
 
 def device_split(dataset: Dataset, *, augment: bool) -> DeviceSplit:
     """The tensors behind a dataset this module built: a TensorDataset (digits, synthetic) or torchvision's CIFAR10."""
+    if isinstance(dataset, RepeatedSamples):  # on the device, as many rows as samples (the loader slices them)
+        rows = torch.arange(len(dataset)) % len(dataset.tensors[0])
+        return DeviceSplit(dataset.tensors[0][rows], dataset.tensors[1][rows])
     if isinstance(dataset, TensorDataset):
         return DeviceSplit(dataset.tensors[0], dataset.tensors[1])
     from torchvision.datasets import CIFAR10
