@@ -48,6 +48,11 @@ Ray) plus `perf/time_to_first_step_s`; it counts what submit does before Ray (im
 pre-flight, the MLflow run) as well. `launch_to_first_step_s` of raytrain counts from just before its
 `ray.init`, the span ours's own figure covers.
 
+Paired ratios (`raytrain_throughput_paired`, `raytrain_startup_paired`): ours / raytrain repeat by repeat,
+of the two runs made back to back, then the median. A slow spell of a shared machine slows both runs of
+a pair, so these move less than the ratio of two medians. `--candidates raytrain,ours` runs only those
+two, for more pairs in the same time.
+
 The candidates run alternately (plain, loop, raytrain, ours, plain, ...; with --by-difference the
 SHORT round, then the LONG round, per repeat). Threads: a Ray Train worker with its default 1 CPU gets
 OMP_NUM_THREADS=1 from Ray (torch then uses 1 thread); the spawned ranks call torch.set_num_threads
@@ -70,6 +75,8 @@ HARNESS = "orchestration"
 TARGET = ">= 0.97"
 STARTUP_TARGET = "<= 1.1"
 CANDIDATES = ("plain", "loop", "raytrain", "ours")
+TARGETS = {"orchestration_throughput": TARGET, "raytrain_throughput": TARGET, "raytrain_throughput_paired": TARGET,
+           "raytrain_startup": STARTUP_TARGET, "raytrain_startup_paired": STARTUP_TARGET}
 
 
 
@@ -78,6 +85,39 @@ def per_step_by_difference(short: list[dict], long: list[dict], key: str, steps:
     if any(r.get(key) is None for r in short + long):
         return None
     return (common.median([r[key] for r in long]) - common.median([r[key] for r in short])) / (steps[1] - steps[0])
+
+
+def paired(runs: dict[int, dict[str, list[dict]]], difference: tuple[int, int] | None, ours: str,
+           other: str) -> dict[str, float]:
+    """Ratios repeat by repeat, of runs made back to back (a slow spell of the machine slows both), then their
+    median: `*_paired` throughput from the steady windows (with --by-difference: from each repeat's own
+    difference of process walls), start-up from the process start."""
+    longest = runs[max(runs)]
+    if ours not in longest or other not in longest:
+        return {}
+    pairs = list(zip(longest[ours], longest[other]))
+    if difference:  # steps per second of one repeat: its LONG wall minus its SHORT wall, over the steps between
+        def cost(name: str, index: int) -> float:
+            return runs[difference[1]][name][index]["process_wall_s"] - runs[difference[0]][name][index]["process_wall_s"]
+
+        throughput = [cost(other, i) / cost(ours, i) for i in range(len(pairs))]
+    else:
+        throughput = [common.median(a["steady"]) / common.median(b["steady"]) for a, b in pairs]
+    found = {"raytrain_throughput_paired": throughput}
+    starts = [(a["process_start_to_first_step_s"], b["process_start_to_first_step_s"]) for a, b in pairs]
+    if all(a is not None and b is not None for a, b in starts):
+        found["raytrain_startup_paired"] = [a / b for a, b in starts]
+    return {name: common.median(values) for name, values in found.items()}
+
+
+def ratios(speed: dict, launch: dict, startup: dict, paired_ratios: dict[str, float]) -> dict[str, float]:
+    """Every ratio whose candidates ran (`--candidates`)."""
+    wanted = {"orchestration_throughput": (speed, "ours", "plain"), "loop_throughput": (speed, "loop", "plain"),
+              "runtime_throughput": (speed, "ours", "loop"), "raytrain_throughput": (speed, "ours", "raytrain"),
+              "launch_to_first_step": (launch, "ours", "plain"), "raytrain_startup": (startup, "ours", "raytrain")}
+    found = {name: figures[a] / figures[b] for name, (figures, a, b) in wanted.items()
+             if figures.get(a) is not None and figures.get(b) is not None}
+    return {**found, **paired_ratios}
 
 
 def main(argv=None) -> int:
@@ -104,6 +144,9 @@ def main(argv=None) -> int:
     cli.add_argument("--profile", metavar="DIR", help="cProfile rank 0's steps of plain, loop and raytrain into "
                                                       "DIR/CANDIDATE.pstats (the last run of each)")
     cli.add_argument("--timeout", type=float, default=900, help="seconds one submit or Ray Train run may take")
+    cli.add_argument("--candidates", default=",".join(CANDIDATES),
+                     help="which candidates run, comma-separated (default all; e.g. raytrain,ours for more repeats of "
+                          "the two the raytrain ratios compare in the same time)")
     args = cli.parse_args(argv)
     args.batch_size = args.batch_size or (16 if args.smoke else 64)
     args.steps = args.steps or (20 if args.smoke else 1000)
@@ -123,6 +166,11 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     args.step_counts = difference or (args.steps,)
+    chosen = tuple(name for name in CANDIDATES if name in args.candidates.split(","))
+    unknown = set(args.candidates.split(",")) - set(CANDIDATES)
+    if unknown or not chosen:
+        print(f"error: --candidates takes names from {', '.join(CANDIDATES)}", file=sys.stderr)
+        return 2
     if any(n % args.log_every or n // args.log_every <= args.warmup_windows for n in args.step_counts):
         print("error: the step counts must be multiples of --log-every with more windows than --warmup-windows",
               file=sys.stderr)
@@ -130,7 +178,7 @@ def main(argv=None) -> int:
 
     from omegaconf import OmegaConf
 
-    runs: dict[int, dict[str, list[dict]]] = {n: {name: [] for name in CANDIDATES} for n in args.step_counts}
+    runs: dict[int, dict[str, list[dict]]] = {n: {name: [] for name in chosen} for n in args.step_counts}
     with tempfile.TemporaryDirectory(prefix="ampflow-bench-") as tmp_name:
         tmp = Path(tmp_name)
         for index in range(args.repeats):
@@ -138,19 +186,22 @@ def main(argv=None) -> int:
                 run_args = argparse.Namespace(**{**vars(args), "steps": steps})
                 cfg = OmegaConf.to_container(common.job_config(job_dict(run_args, tmp)), resolve=True)
                 results = runs[steps]
-                results["plain"].append(run_spawned("plain", run_args, cfg, tmp, index))
-                results["loop"].append(run_spawned("loop", run_args, cfg, tmp, index))
-                results["raytrain"].append(run_raytrain(run_args, cfg, tmp, index))
-                results["ours"].append(run_ours(run_args, tmp, index, steps))
+                for name in chosen:
+                    if name in ("plain", "loop"):
+                        results[name].append(run_spawned(name, run_args, cfg, tmp, index))
+                    elif name == "raytrain":
+                        results[name].append(run_raytrain(run_args, cfg, tmp, index))
+                    else:
+                        results[name].append(run_ours(run_args, tmp, index, steps))
                 print(f"repeat {index + 1}/{args.repeats}, {steps} steps: " + ", ".join(
                     f"{name} {common.median(results[name][-1]['steady']):.1f} samples/s "
-                    f"{results[name][-1]['process_wall_s']:.1f} s" for name in CANDIDATES), flush=True)
+                    f"{results[name][-1]['process_wall_s']:.1f} s" for name in chosen), flush=True)
 
     # Steady windows and start-up come from the longest runs (the only runs without --by-difference).
     longest = runs[args.step_counts[-1]]
     per_run = {name: [common.median(r["steady"]) for r in results] for name, results in longest.items()}
     throughput = {name: common.median(values) for name, values in per_run.items()}
-    all_runs = {name: [r for n in args.step_counts for r in runs[n][name]] for name in CANDIDATES}
+    all_runs = {name: [r for n in args.step_counts for r in runs[n][name]] for name in chosen}
 
     def median_of(key: str) -> dict[str, float | None]:
         values = {name: [r[key] for r in results if r.get(key) is not None] for name, results in all_runs.items()}
@@ -165,35 +216,37 @@ def main(argv=None) -> int:
     columns = ["candidate", "samples/s", "spread", "launch_to_first_step_s", "process_start_to_first_step_s",
                "process_wall_s"]
     rows = [[name, throughput[name], f"{common.spread(per_run[name]) * 100:.1f}%", launch[name], from_start[name],
-             wall[name]] for name in CANDIDATES]
-    figures = {**{f"{name}_samples_per_s": throughput[name] for name in CANDIDATES},
-               **{f"{name}_samples_per_s_runs": per_run[name] for name in CANDIDATES},
-               **{f"{name}_windows": [r["windows"] for r in longest[name]] for name in CANDIDATES},
+             wall[name]] for name in chosen]
+    figures = {**{f"{name}_samples_per_s": throughput[name] for name in chosen},
+               **{f"{name}_samples_per_s_runs": per_run[name] for name in chosen},
+               **{f"{name}_windows": [r["windows"] for r in longest[name]] for name in chosen},
                "launch_to_first_step_s": launch, "process_start_to_first_step_s": from_start,
-               "process_wall_s": wall, "plain_threads": longest["plain"][0]["threads"],
-               "raytrain_threads": longest["raytrain"][0]["threads"],
-               "raytrain_orchestrator_imported_from": longest["raytrain"][0].get("orchestrator_imported_from")}
+               "process_wall_s": wall,
+               **{f"{name}_threads": longest[name][0]["threads"] for name in ("plain", "raytrain") if name in chosen},
+               "raytrain_orchestrator_imported_from":
+                   longest["raytrain"][0].get("orchestrator_imported_from") if "raytrain" in chosen else None}
     if difference:
         ms_per_step = {name: 1000 * per_step_by_difference(runs[difference[0]][name], runs[difference[1]][name],
-                                                           "process_wall_s", difference) for name in CANDIDATES}
+                                                           "process_wall_s", difference) for name in chosen}
         in_run = {name: per_step_by_difference(runs[difference[0]][name], runs[difference[1]][name],
-                                               "first_to_last_step_s", difference) for name in CANDIDATES}
+                                               "first_to_last_step_s", difference) for name in chosen}
         in_run = {name: None if value is None else 1000 * value for name, value in in_run.items()}
         short_wall = {name: common.median([r["process_wall_s"] for r in runs[difference[0]][name]])
-                      for name in CANDIDATES}
-        fixed = {name: short_wall[name] - difference[0] * ms_per_step[name] / 1000 for name in CANDIDATES}
+                      for name in chosen}
+        fixed = {name: short_wall[name] - difference[0] * ms_per_step[name] / 1000 for name in chosen}
         columns += ["ms/step (difference)", "ms/step (in-run)", "fixed_s"]
-        for row, name in zip(rows, CANDIDATES):
+        for row, name in zip(rows, chosen):
             row += [ms_per_step[name], "n/a" if in_run[name] is None else in_run[name], fixed[name]]
         figures.update({"ms_per_step_by_difference": ms_per_step, "ms_per_step_in_run_by_difference": in_run,
                         "fixed_cost_s": fixed,
                         "process_wall_s_runs": {f"{name}_{n}": [r["process_wall_s"] for r in runs[n][name]]
-                                                for name in CANDIDATES for n in difference}})
-        speed = {name: 1 / ms_per_step[name] for name in CANDIDATES}  # steps per ms: a throughput
+                                                for name in chosen for n in difference}})
+        speed = {name: 1 / ms_per_step[name] for name in chosen}  # steps per ms: a throughput
     else:
         speed = throughput
     common.print_table(columns, rows)
-    startup = from_start if from_start["ours"] is not None else launch
+    startup = from_start if from_start.get("ours") is not None else launch
+    found = ratios(speed, launch, startup, paired(runs, difference, "ours", "raytrain"))
     common.finish(
         HARNESS, device=common.device_description(torch.device("cpu")).replace(
             f"torch threads {torch.get_num_threads()}", f"{os.cpu_count()} cores, {args.threads} torch thread(s) per rank"),
@@ -207,14 +260,8 @@ def main(argv=None) -> int:
                 "startup_from": "process start" if startup is from_start else "just before Ray starts",
                 "smoke": args.smoke},
         figures=figures,
-        ratios={"orchestration_throughput": speed["ours"] / speed["plain"],
-                "loop_throughput": speed["loop"] / speed["plain"],
-                "runtime_throughput": speed["ours"] / speed["loop"],
-                "raytrain_throughput": speed["ours"] / speed["raytrain"],
-                "launch_to_first_step": launch["ours"] / launch["plain"],
-                "raytrain_startup": startup["ours"] / startup["raytrain"]},
-        targets={"orchestration_throughput": TARGET, "raytrain_throughput": TARGET,
-                 "raytrain_startup": STARTUP_TARGET}, json_path=args.json)
+        ratios=found,
+        targets={name: target for name, target in TARGETS.items() if name in found}, json_path=args.json)
     return 0
 
 
