@@ -155,8 +155,10 @@ JOBS_DRIVER = textwrap.dedent(
 
 
 def test_no_wait_prints_the_job_id_and_jobs_status_logs_stop_manage_it(head):
+    # Long enough that the stop lands while it trains (the quickstart in fp32 ends seconds after its first step:
+    # a stop after that finds a run already closed FINISHED, correctly, and the test would prove nothing).
     out = submit(head, "jobs/quickstart.yaml", "--address", head.address, "--no-wait", "precision.preset=O0",
-                 f"checkpoint.storage_path={head.storage}")
+                 "run.epochs=200", f"checkpoint.storage_path={head.storage}")
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip()
     assert re.fullmatch(r"raysubmit_\w+", job_id), out.stdout
