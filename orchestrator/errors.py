@@ -5,6 +5,7 @@ SIGTERM 143 (128 + the signal's number, as shells report a process a signal ende
 """
 
 import signal
+import sys
 import threading
 
 EXIT_OK = 0
@@ -68,7 +69,11 @@ _caught: dict[str, int] = {}
 def interrupt_on_sigterm():
     """`jobs stop`, Kubernetes and `kill` end a job with SIGTERM: raise `Interrupted(SIGTERM)` instead, so the
     MLflow run is closed KILLED rather than left RUNNING. Returns the previous handler (None off the main
-    thread, where no handler can be installed: a notebook's or a service's own threads)."""
+    thread, where no handler can be installed: a notebook's or a service's own threads).
+
+    Also installs `redeliver_swallowed_interrupts`: a signal can land while Python runs a weakref callback or a
+    `__del__` (SQLAlchemy's run after most MLflow calls), where the exception is printed as "Exception ignored"
+    and dropped; the signal is then sent again, so that it reaches the code that closes the run."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
@@ -76,4 +81,31 @@ def interrupt_on_sigterm():
         _caught["signum"] = signum
         raise Interrupted(signum)
 
+    redeliver_swallowed_interrupts()
     return signal.signal(signal.SIGTERM, interrupt)
+
+
+REDELIVERY_DELAY_S = 0.05
+"""How long after a swallowed interrupt its signal is sent again: time for the callback that swallowed it to
+return, so the next one lands in ordinary code."""
+
+
+def redeliver_swallowed_interrupts() -> None:
+    """Chain a `sys.unraisablehook` that sends the signal of a KeyboardInterrupt (an `Interrupted`: its signal;
+    a plain one: SIGINT) Python could not raise, from a short timer, to this process's main thread. Other
+    unraisable exceptions go to the previous hook unchanged. Idempotent."""
+    previous = sys.unraisablehook
+    if getattr(previous, "redelivers_interrupts", False):
+        return
+
+    def hook(unraisable) -> None:
+        previous(unraisable)  # the "Exception ignored in ..." lines, as before
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            signum = getattr(unraisable.exc_value, "signum", signal.SIGINT)
+            timer = threading.Timer(REDELIVERY_DELAY_S, signal.pthread_kill,
+                                    (threading.main_thread().ident, signum))
+            timer.daemon = True
+            timer.start()
+
+    hook.redelivers_interrupts = True
+    sys.unraisablehook = hook

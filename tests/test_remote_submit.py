@@ -176,10 +176,4 @@ def test_no_wait_prints_the_job_id_and_jobs_status_logs_stop_manage_it(head):
     # The stopped job's MLflow run was closed, not left RUNNING.
     run_id = re.search(r"MLflow run ([0-9a-f]{32})", results["logs"]["stdout"]).group(1)
     status = MlflowClient(tracking_uri=head.mlflow_uri).get_run(run_id).info.status
-    if status == "RUNNING":
-        # Known gap: a SIGTERM that lands while Python runs a weakref callback (SQLAlchemy's, seen in the job's log
-        # as "Exception ignored in") loses the Interrupted its handler raises; the driver trains on until Ray's
-        # SIGKILL, leaving its run RUNNING. Reported as an expected failure, with the job's log, until the handler
-        # survives that; docs/reliability.md says so.
-        pytest.xfail(f"jobs stop left the MLflow run RUNNING; job log tail:\n{results['logs']['stdout'][-3000:]}")
     assert status == "KILLED", results["logs"]["stdout"][-4000:]
