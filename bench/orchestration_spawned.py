@@ -13,9 +13,8 @@ def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float,
     """One rank of `plain` or `loop` (a process of torch.multiprocessing.spawn); rank 0 writes the windows."""
     import torch.distributed as dist
     from omegaconf import OmegaConf
-    from torch.nn.parallel import DistributedDataParallel
 
-    from orchestrator.train.data import build_datasets
+    from orchestrator.train.local import exit_rank
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.workers)
@@ -27,15 +26,25 @@ def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float,
             # The loop's first report says when step 1 ended (wall clock); windows run between its reports.
             first_step_end = time.perf_counter() - (time.time() - launched_at - session.first_step_s)
             write_windows(result_path, args, session.marks, session.first_step_s, first_step_end)
-        dist.destroy_process_group()
-        return
+    else:
+        run_plain(cfg, rank, args, launched_at, result_path)
+    dist.destroy_process_group()
+    exit_rank()
+
+
+def run_plain(cfg, rank: int, args, launched_at: float, result_path: str) -> None:
+    """The hand-written DDP loop's steps; rank 0 writes the windows."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from orchestrator.train.data import build_datasets
+
     torch.manual_seed(cfg.run.seed + rank)
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)  # the same synthetic tensors as ours
     # As ray.train.torch.prepare_model: no DDP wrapper around a single rank.
     wrap = DistributedDataParallel if args.workers > 1 else (lambda model, **kwargs: model)
     loader, step_fn = plain_step(cfg, rank, args, train_set, eval_set, wrap)
     marks, first_step_s, first_step_end = [time.perf_counter()], None, None
-    with profiled(args.profile, candidate, rank):
+    with profiled(args.profile, "plain", rank):
         for step, (inputs, targets) in enumerate(loader, start=1):
             if step > args.steps:
                 break
@@ -46,7 +55,6 @@ def spawned_rank(rank: int, candidate: str, args, cfg: dict, launched_at: float,
                 marks.append(time.perf_counter())
     if rank == 0:
         write_windows(result_path, args, marks, first_step_s, first_step_end)
-    dist.destroy_process_group()
 
 
 def write_windows(result_path: str, args, marks: list[float], first_step_s: float, first_step_end: float,

@@ -1,11 +1,14 @@
 """One training core: the loop every Ray Train worker runs is the Ray-free loop, and the worker adds nothing."""
 
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import small_job
+from conftest import REPO, small_job
 
 pytestmark = pytest.mark.slow
 
@@ -48,3 +51,35 @@ def load_initial(cfg) -> dict:
 
     seed_everything(cfg.run.seed)
     return build_model(cfg.model).state_dict()
+
+
+SPAWNED = """
+import sys
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from orchestrator.train.local import exit_rank
+
+def rank_main(rank, rendezvous):
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    dist.barrier()
+    print(f"rank {rank} done")  # buffered: stdout is a pipe
+    print(f"rank {rank} warning", file=sys.stderr)
+    dist.destroy_process_group()
+    exit_rank()
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2, join=True)
+    print("joined")
+"""
+
+
+def test_a_finished_rank_exits_0_with_its_output_flushed(tmp_path):
+    """`exit_rank` skips Python's finalization (where a gloo thread can abort the process), not the rank's output."""
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "rendezvous")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                               "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["joined", "rank 0 done", "rank 1 done"]
+    assert {"rank 0 warning", "rank 1 warning"} <= set(done.stderr.splitlines())

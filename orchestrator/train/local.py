@@ -6,9 +6,11 @@ processes of `torch.multiprocessing` joined by gloo (or NCCL on GPUs) through a 
 returns rank 0's reports and final fp32 weights.
 """
 
+import os
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,20 @@ class LocalSession:
         return None  # the reports stay in this process: no driver can lose them
 
 
+def exit_rank() -> NoReturn:
+    """End a rank process of `torch.multiprocessing.spawn` that finished its work: exit 0 now, output flushed,
+    without Python's finalization.
+
+    A gloo worker thread can still be dropping the work object of the rank's last collective when the main
+    thread finishes; that destructor takes the GIL, and a C++ thread taking the GIL while Python finalizes
+    aborts the process (SIGABRT, "terminate called without an active exception", seen in a few of every hundred
+    short 2-rank runs with torch 2.14's ProcessGroupGloo). Call it after `dist.destroy_process_group()`, on success
+    only: an exception still goes to spawn, which reports its traceback."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, result: str) -> None:
     from omegaconf import OmegaConf
 
@@ -56,6 +72,7 @@ def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, 
             torch.save({"reports": session.reports, "weights": training.precision.fp32_state_dict()}, result)
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def spawn(job: dict[str, Any], world_size: int, directory: Path) -> dict[str, Any]:
