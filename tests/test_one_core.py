@@ -77,9 +77,9 @@ def test_a_finished_rank_exits_0_with_its_output_flushed(tmp_path):
     """`exit_rank` skips Python's finalization (where a gloo thread can abort the process), not the rank's output."""
     script = tmp_path / "spawned.py"
     script.write_text(SPAWNED)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # the ranks' stdout stays buffered
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "rendezvous")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
-                               "PYTHONPATH": str(REPO)})
+                          text=True, timeout=120, env={**env, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == ["joined", "rank 0 done", "rank 1 done"]
     assert {"rank 0 warning", "rank 1 warning"} <= set(done.stderr.splitlines())

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-
 from orchestrator.config.loader import load_job
 from orchestrator.runner.launch import KEEP_FREED_MEMORY_ENV, build_trainer
 
