@@ -43,10 +43,10 @@ Throughput, two ways:
   `*_throughput` ratio then compares per-step costs (steps per second).
 
 Start-up (`raytrain_startup`, ours / raytrain): from starting the subprocess to the end of rank 0's
-first step. For ours, the arrival of submit's "MLflow run ..." line (printed just before it starts
-Ray) plus `perf/time_to_first_step_s`; it counts what submit does before Ray (imports, config, the
-pre-flight, the MLflow run) as well. `launch_to_first_step_s` of raytrain counts from just before its
-`ray.init`, the span ours's own figure covers.
+first step. For ours, the `launched_at` of its run record (when submit starts Ray, and the MLflow run's
+creation beside it) minus the process start, plus `perf/time_to_first_step_s`; it counts what submit does
+before Ray (imports, config, the pre-flight) as well. `launch_to_first_step_s` of raytrain counts from just
+before its `ray.init`, the span ours's own figure covers.
 
 Paired ratios (`raytrain_throughput_paired`, `raytrain_startup_paired`): ours / raytrain repeat by repeat,
 of the two runs made back to back, then the median. A slow spell of a shared machine slows both runs of

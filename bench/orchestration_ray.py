@@ -46,20 +46,16 @@ def ray_env(args) -> dict:
     return env
 
 
-def run_process(command: list[str], env: dict, timeout: float, marker: str | None = None) -> dict:
-    """Run `command` from the repository root; its wall time, and when a stderr line containing `marker` came
-    (seconds after the start), as seen from here."""
+def run_process(command: list[str], env: dict, timeout: float) -> dict:
+    """Run `command` from the repository root; its wall time as seen from here."""
     import threading
 
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    output = {"stdout": [], "stderr": [], "marker_s": None}
+    output = {"stdout": [], "stderr": []}
 
     def drain(stream, lines: list[str]) -> None:
-        for line in stream:
-            if marker and output["marker_s"] is None and marker in line:
-                output["marker_s"] = time.perf_counter() - started
-            lines.append(line)
+        lines.extend(stream)
 
     readers = [threading.Thread(target=drain, args=(process.stdout, output["stdout"]), daemon=True),
                threading.Thread(target=drain, args=(process.stderr, output["stderr"]), daemon=True)]
@@ -77,22 +73,22 @@ def run_process(command: list[str], env: dict, timeout: float, marker: str | Non
     if returncode != 0:
         raise RuntimeError(f"{' '.join(command[:3])} exited {returncode}:\n{''.join(output['stdout'])[-3000:]}\n"
                            f"{''.join(output['stderr'])[-3000:]}")
-    return {"process_wall_s": wall, "marker_s": output["marker_s"]}
+    return {"process_wall_s": wall}
 
 
 def run_ours(args, tmp: Path, index: int, steps: int) -> dict:
     import yaml
     from mlflow import MlflowClient
 
+    from orchestrator.runner.records import read_record
+
     name = f"bench-ours-{index}-{steps}"
     job_path = tmp / f"{name}.yaml"
     job = job_dict(args, tmp, steps)
     job["run"]["name"] = name
     job_path.write_text(yaml.safe_dump(job, sort_keys=False))
-    # submit prints this line in execute() just before it takes `launched_at` and starts Ray: its arrival here
-    # dates perf/time_to_first_step_s on our clock, so that start-up can count from the process start.
-    done = run_process([sys.executable, "-m", "orchestrator.submit", str(job_path)], ray_env(args), args.timeout,
-                       marker="MLflow run ")
+    process_started_at = time.time()
+    done = run_process([sys.executable, "-m", "orchestrator.submit", str(job_path)], ray_env(args), args.timeout)
     client = MlflowClient(tracking_uri=job["tracking"]["uri"])
     experiment = client.get_experiment_by_name(job["tracking"]["experiment"])
     runs = client.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = '{name}'")
@@ -100,7 +96,10 @@ def run_ours(args, tmp: Path, index: int, steps: int) -> dict:
     history = sorted(client.get_metric_history(run_id, "perf/samples_per_s"), key=lambda m: m.step)
     windows = [m.value for m in history]
     launch = client.get_run(run_id).data.metrics.get("perf/time_to_first_step_s")
-    from_start = done["marker_s"] + launch if done["marker_s"] is not None and launch is not None else None
+    # The run record dates submit's `launched_at` (just before Ray starts), where perf/time_to_first_step_s
+    # counts from: start-up then counts from the process start, as raytrain's does.
+    launched_at = read_record(job["checkpoint"]["storage_path"], name)["launched_at"]
+    from_start = launched_at - process_started_at + launch if launch is not None else None
     return {"windows": windows, "steady": windows[args.warmup_windows:], "launch_to_first_step_s": launch,
             "process_start_to_first_step_s": from_start, "first_to_last_step_s": None,
             "process_wall_s": done["process_wall_s"]}

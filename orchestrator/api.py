@@ -39,7 +39,7 @@ def train(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None
     """`run()`, and the exit code `submit` exits with for it (0, or 1 for a failed training or a refused
     export)."""
     from orchestrator.config import load_job
-    from orchestrator.runner.driver import execute, plan_run
+    from orchestrator.runner.driver import execute, plan_run_as_ray_starts
     from orchestrator.runner.preflight import preflight
     from orchestrator.runner.remote import is_job_server_address
 
@@ -61,7 +61,7 @@ def train(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None
             job_path.write_text(yaml.safe_dump(content, sort_keys=False))
         cfg = load_job(job_path, list(overrides))
         checked = preflight([cfg], job_path, address, resume=resume)
-        plan = plan_run(cfg, job_path, address, checked.runs[0])
+        plan = plan_run_as_ray_starts(cfg, job_path, address, checked.runs[0])
         exit_code = execute(plan)
         return plan.result, exit_code
     finally:

@@ -1,12 +1,16 @@
 """The driver closes the MLflow run it created whatever fails after it: Ray unreachable, and a failure injected
 at each stage (with Ray faked) ends FAILED; an interrupt ends KILLED."""
 
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 from mlflow import MlflowClient
 
-from orchestrator.runner import driver
+from orchestrator.errors import BadInput, Interrupted
+from orchestrator.runner import driver, records
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import load_job
 
@@ -71,9 +75,9 @@ STAGES = ["write_record", "relay", "writer_start", "build_trainer", "fit", "writ
 
 
 @pytest.fixture
-def planned(write_job, tmp_path, monkeypatch):
-    """A planned run (`.plan`, its MLflow run created) whose Ray is faked: no cluster, a relay that reports nothing, and
-    the trainer `use_trainer(trainer)` says (by default one whose fit() returns a run without checkpoints)."""
+def fake_ray(write_job, tmp_path, monkeypatch):
+    """A job (`.job`, MLflow in `.uri`) whose Ray is faked: no cluster, a relay that reports nothing, and the trainer
+    `use_trainer(trainer)` says (by default one whose fit() returns a run without checkpoints)."""
     import orchestrator.runner.launch as launch
     import orchestrator.tracking.relay as relay
     import orchestrator.tracking.writer as writer
@@ -81,7 +85,6 @@ def planned(write_job, tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
-    plan = driver.plan_run(load_job(job), job, None, RunChoice("stages"))
     monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
     monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
@@ -90,8 +93,16 @@ def planned(write_job, tmp_path, monkeypatch):
         monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: trainer)
 
     use_trainer(_FakeTrainer(False))
-    status = lambda: MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id).info.status  # noqa: E731
-    return SimpleNamespace(plan=plan, use_trainer=use_trainer, status=status)
+    status = lambda run_id: MlflowClient(tracking_uri=uri).get_run(run_id).info.status  # noqa: E731
+    return SimpleNamespace(job=job, uri=uri, use_trainer=use_trainer, status=status)
+
+
+@pytest.fixture
+def planned(fake_ray):
+    """A planned run (`.plan`, its MLflow run created by `plan_run`) of the `fake_ray` job."""
+    plan = driver.plan_run(load_job(fake_ray.job), fake_ray.job, None, RunChoice("stages"))
+    return SimpleNamespace(plan=plan, use_trainer=fake_ray.use_trainer,
+                           status=lambda: fake_ray.status(plan.tracker.run_id))
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -230,3 +241,73 @@ def test_submit_turns_a_driver_failure_into_exit_1_and_one_line_naming_it_and_wh
     assert "error: the driver failed: RuntimeError: injected: driver" in err
     assert f"at {__file__}:" in err and "in fails" in err
     assert "Traceback" not in err
+
+
+# -- submit creates the MLflow run while Ray starts -----------------------------------------------------------
+
+def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
+    """`plan_run_as_ray_starts` (submit's and `run()`'s way): Ray starts on the main thread while the run is created
+    on another. Each waits here for the other to have begun, so done one after the other this fails. The run then
+    trains and ends FINISHED, its record dating the launch (where perf/time_to_first_step_s counts from)."""
+    ray_starting, run_created, seen = threading.Event(), threading.Event(), {}
+    real_start_run = driver._start_run
+
+    def start_run(*args, **kwargs):
+        seen["ray_was_starting"] = ray_starting.wait(10)
+        tracker = real_start_run(*args, **kwargs)
+        run_created.set()
+        return tracker
+
+    def init_ray(address, module_sources):
+        seen["on_the_main_thread"] = threading.current_thread() is threading.main_thread()
+        ray_starting.set()
+        seen["run_created_meanwhile"] = run_created.wait(10)
+        return False, None
+
+    monkeypatch.setattr(driver, "_start_run", start_run)
+    monkeypatch.setattr(driver, "init_ray", init_ray)
+    before = time.time()
+    plan = driver.plan_run_as_ray_starts(load_job(fake_ray.job), fake_ray.job, None, RunChoice("overlap"))
+    assert seen == {"ray_was_starting": True, "on_the_main_thread": True, "run_created_meanwhile": True}
+    assert driver.execute(plan) == 0
+    assert fake_ray.status(plan.tracker.run_id) == "FINISHED"
+    record = records.read_record(plan.cfg.checkpoint.storage_path, "overlap")
+    assert before <= record["launched_at"] <= record["started"]
+
+
+def test_a_run_mlflow_refuses_shuts_down_the_ray_started_beside_it(fake_ray, write_job, tmp_path, monkeypatch):
+    """MLflow unreachable with `tracking.required` is still exit 2 with nothing left: the Ray started meanwhile is
+    shut down, the run's name is free, and the SIGTERM handler is the caller's again."""
+    import ray
+
+    shut_down = []
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (True, None))
+    monkeypatch.setattr(ray, "shutdown", lambda: shut_down.append(True))
+    storage = tmp_path / "refused_storage"
+    job = write_job(small_job(tracking={"uri": "http://127.0.0.1:9"}, checkpoint={"storage_path": str(storage)}),
+                    name="refused.yaml")
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(BadInput, match="cannot be reached"):
+        driver.plan_run_as_ray_starts(load_job(job), job, None, RunChoice("refused"))
+    assert shut_down == [True]
+    assert not storage.exists()
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+@pytest.mark.parametrize("interrupt, signum", [(KeyboardInterrupt(), signal.SIGINT),
+                                               (SystemExit(signal.SIGTERM), signal.SIGTERM)],
+                         ids=["ctrl-c", "sigterm-in-rays-handler"])
+def test_an_interrupt_while_ray_starts_closes_the_run_being_created_killed(fake_ray, monkeypatch, interrupt, signum):
+    """Ctrl-C, or SIGTERM meeting the handler ray.init installs (it exits with the signal's number), lands as Ray
+    starts, before the run on the other thread exists: the run is waited for, closed KILLED, and the interrupt
+    says its signal and how to resume."""
+    def init_ray(address, module_sources):
+        raise interrupt
+
+    monkeypatch.setattr(driver, "init_ray", init_ray)
+    plan = driver.plan_run_as_ray_starts(load_job(fake_ray.job), fake_ray.job, None, RunChoice("interrupted"))
+    with pytest.raises(Interrupted) as raised:
+        driver.execute(plan)
+    assert raised.value.signum == signum
+    assert "--resume" in raised.value.resume_hint
+    assert fake_ray.status(plan.tracker.run_id) == "KILLED"

@@ -3,7 +3,7 @@
 `plan_run()` settles what can still be refused with exit 2 (MLflow reachable) and only then creates
 or reopens the MLflow run of the run the pre-flight chose (`orchestrator.runner.preflight`); `execute()`
 starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED
-(`records.close_run`).
+(`records.close_run`). `plan_run_as_ray_starts()` does the first while Ray starts, for `execute()`.
 """
 
 import logging
@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,9 @@ class RunPlan:
     """How the run ended, once `execute` has run it (what `orchestrator.run()` returns)."""
     datasets: Sequence = ()
     """The train and eval sets' lineage, for a run created once MLflow answers (`RunChoice.datasets`)."""
+    ray: Optional["RayStart"] = None
+    """Ray as it was started for this run while its MLflow run was created (`plan_run_as_ray_starts`); None:
+    `execute` starts it."""
 
 
 @dataclass
@@ -155,6 +159,78 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
     return True, None
 
 
+@dataclass
+class RayStart:
+    """Ray for one run, as `start_ray` left it."""
+
+    launched_at: float
+    """When the run's launch began (wall clock, just before Ray starts): `perf/time_to_first_step_s` counts from it."""
+    started: bool = False
+    """Whether this run started Ray (and shuts it down at its end), rather than joining one."""
+    worker_runtime_env: Optional[dict] = None
+    """What the workers need on a Ray someone else started (`init_ray`)."""
+    error: Optional[BaseException] = None
+    """Why Ray could not be had (an Exception), or the Ctrl-C / SIGTERM that came while it started."""
+    previous_sigterm: object = None
+    """The SIGTERM handler before submit's own was installed again over Ray's (restored at the end)."""
+
+
+def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStart:
+    """`init_ray`, with what fails kept for `execute` to end the run with (FAILED, or KILLED for an interrupt),
+    and submit's SIGTERM handler installed again: Ray's core worker sets one of its own."""
+    import ray
+
+    start = RayStart(launched_at=time.time())
+    found_running = ray.is_initialized()
+    try:
+        start.started, start.worker_runtime_env = init_ray(address, module_sources)
+    except BaseException as exc:
+        # SIGTERM during ray.init meets the handler Ray installed first, which exits with the signal's number
+        start.error = Interrupted(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM else exc
+        start.started = not found_running and ray.is_initialized()
+    start.previous_sigterm = interrupt_on_sigterm()
+    return start
+
+
+def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice) -> RunPlan:
+    """`plan_run` on a thread of its own while Ray starts on this one (Ray installs signal handlers, which only
+    the main thread may): importing MLflow and creating the run take 1-2 s of the several a local Ray takes.
+
+    What `plan_run` refuses (exit 2) is raised here, after the Ray started for it is shut down; a Ray that
+    failed, or a Ctrl-C / SIGTERM while it started, is `execute`'s to end the created run with."""
+    import ray
+
+    from orchestrator.tracking.tracker import quick_http_failures
+
+    quick_http_failures()  # here, not on the thread: Ray's processes start with this environment
+    outcome: dict = {}
+
+    def plan() -> None:
+        try:
+            outcome["plan"] = plan_run(cfg, job_path, address, run)
+        except BaseException as exc:  # raised again on the main thread
+            outcome["error"] = exc
+
+    planning = threading.Thread(target=plan, name="ampflow-plan-run", daemon=True)
+    planning.start()
+    ray_start = start_ray(address, models.module_sources(cfg))
+    while planning.is_alive():  # a run being created is waited for, so that an interrupt can close it
+        try:
+            planning.join()
+        except KeyboardInterrupt as exc:
+            ray_start.error = ray_start.error or exc
+    if "error" in outcome:
+        if ray_start.started:
+            ray.shutdown()
+        if ray_start.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, ray_start.previous_sigterm)
+        interrupt = ray_start.error if isinstance(ray_start.error, (KeyboardInterrupt, SystemExit)) else None
+        raise interrupt or outcome["error"]
+    plan = outcome["plan"]
+    plan.ray = ray_start
+    return plan
+
+
 class RunEnd:
     """Ends the planned run exactly once: flushes the MLflow writer (once there is one), then `close_run`
     (run record + MLflow status) with the tracker as it is by then (MLflow may have come back mid-run)."""
@@ -224,24 +300,24 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         verb = "Resuming" if plan.resume else "MLflow run"
         logger.info(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' "
                     f"at {redact(plan.uri)}")
-    launched_at = time.time()  # launch-to-first-step counts Ray's start too
     module_sources = models.module_sources(cfg)
+    ray_start = plan.ray or start_ray(plan.address, module_sources)
     try:
-        started_ray, worker_runtime_env = init_ray(plan.address, module_sources)
-    except Exception as exc:  # e.g. no cluster at --address: the run was created, so close it
-        end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
-        print(f"\nerror: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
-              "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
-        return EXIT_FAILED
-    previous_sigterm = interrupt_on_sigterm()  # after ray.init: Ray's core worker sets a handler of its own
-    try:
+        if isinstance(ray_start.error, (KeyboardInterrupt, SystemExit)):
+            raise ray_start.error  # execute() closes the run KILLED
+        if ray_start.error is not None:  # e.g. no cluster at --address: the run was created, so close it
+            end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
+            error = ray_start.error
+            print(f"\nerror: Ray could not be started or reached ({type(error).__name__}: {redact(str(error))[:500]}). "
+                  "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
+            return EXIT_FAILED
         if plan.address:
             shortfall = check_cluster_capacity(cfg)
             if shortfall:
                 print(f"warning: {shortfall}", file=sys.stderr)
         run_id = plan.tracker.run_id if plan.tracker is not None else None
         records.write_record(storage, plan.run_name, job_file=str(plan.job_path.resolve()), run_id=run_id,
-                             tracking_uri=redact(plan.uri), status="RUNNING")
+                             tracking_uri=redact(plan.uri), status="RUNNING", launched_at=ray_start.launched_at)
         relay = ReportRelay.remote()
         writer = end.writer = MlflowWriter(
             relay, plan.tracker,
@@ -252,7 +328,8 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
             writer.resume_from_run()
         writer.start()
         trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
-                                worker_runtime_env=worker_runtime_env, run_id=run_id, launched_at=launched_at,
+                                worker_runtime_env=ray_start.worker_runtime_env, run_id=run_id,
+                                launched_at=ray_start.launched_at,
                                 relay=relay)
         failure = None
         with ConsoleProgress(lambda: writer.newest, lines=writer.take_printed, show_progress=console.progress_shown()):
@@ -268,9 +345,9 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
             return _failed(plan, end, failure)
         return _finished(plan, end, result, module_sources)
     finally:
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-        if started_ray:
+        if ray_start.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, ray_start.previous_sigterm)
+        if ray_start.started:
             ray.shutdown()
 
 
