@@ -282,7 +282,9 @@ def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_fail
     (tmp_path / "sweep_nets.py").write_text(FAILS_UNDER_FP16_AUTOCAST)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = tmp_path / "tiny.yaml"
-    job.write_text(yaml.safe_dump(small_job(model={"name": "sweep_nets:Net"}, tracking={"experiment": "sweep-e2e"})))
+    # One worker of two steps per child: what is checked is the sweep (shipping, order, the failed child), not DDP.
+    job.write_text(yaml.safe_dump(small_job(model={"name": "sweep_nets:Net"}, scaling={"num_workers": 1},
+                                            run={"max_steps_per_epoch": 2}, tracking={"experiment": "sweep-e2e"})))
     started = time.time()
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "O0,O1,bf16-mixed",
