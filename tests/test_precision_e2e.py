@@ -1,4 +1,5 @@
-"""Precision policies through submit: every preset runs, the audit is logged, weights stay fp32, export."""
+"""Precision policies: every preset trains and is audited (Ray-free loop); through submit the audit is logged and
+weights stay fp32; export."""
 
 import json
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+import yaml
 from mlflow import MlflowClient
 
 from conftest import REPO, small_job
@@ -27,32 +29,54 @@ def audit_of(client, run_id):
     return {entry["name"]: entry for entry in json.loads(Path(path).read_text())}
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_runs_the_quickstart_model_and_logs_its_audit(
-    ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, preset
-):
-    monkeypatch.chdir(tmp_path)
-    # One worker: what differs between presets is the rank's precision, not DDP (test_ddp covers half DDP).
-    job = small_job(precision={"preset": preset}, run={"max_steps_per_epoch": 2}, scaling={"num_workers": 1},
-                    tracking={"uri": mlflow_uri, "experiment": preset, "log_model": preset == "O2"})
-    assert submit(write_job, job) == 0
-    client, run = only_run(mlflow_uri, preset)
-    assert run.info.status == "FINISHED" and run.data.tags["preset"] == preset
-    audit = audit_of(client, run.info.run_id)
+EXPECTED_PARAM_DTYPE = {"O2": "float16", "O3": "float16", "bf16-true": "bfloat16"}
+
+
+def check_audit(audit: dict, preset: str) -> None:
     for entry in audit.values():
         assert {"name", "type", "param_dtype", "output_dtype"} <= set(entry)
-    expected_param = {"O2": "float16", "O3": "float16", "bf16-true": "bfloat16"}.get(preset, "float32")
-    assert audit["features.0"]["param_dtype"] == expected_param
+    assert audit["features.0"]["param_dtype"] == EXPECTED_PARAM_DTYPE.get(preset, "float32")
 
-    if preset == "O2":  # checkpoints and the logged model hold fp32 weights, whatever the training precision
-        storage = tmp_path / "ray_results"
-        (checkpoint_file,) = storage.glob("*/checkpoint_*/train_state.pt")
-        state = torch.load(checkpoint_file, weights_only=True)
-        assert {v.dtype for v in state["model"].values() if v.is_floating_point()} == {torch.float32}
-        mlflow.set_tracking_uri(mlflow_uri)
-        (logged,) = client.search_logged_models([run.info.experiment_id])
-        model = mlflow.pytorch.load_model(logged.model_uri)
-        assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_trains_the_quickstart_model_and_audits_it(tmp_path, preset):
+    """Each preset on the Ray-free loop (the loop the Ray Train worker runs, test_one_core): it trains to the end,
+    and its first report holds the audit of what each layer stored. Through Ray and MLflow: the next test."""
+    from orchestrator.config import load_job
+    from orchestrator.train.local import LocalSession
+    from orchestrator.train.loop import TrainingLoop
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(small_job(precision={"preset": preset}, run={"max_steps_per_epoch": 2},
+                                            scaling={"num_workers": 1})))
+    session = LocalSession(0, 1, torch.device("cpu"), tmp_path / "checkpoints")
+    TrainingLoop(load_job(job), session).run()
+    assert session.reports[-1]["step"] == 2 and "eval/loss" in session.reports[-1]
+    (audit,) = [report["precision/audit"] for report in session.reports if "precision/audit" in report]
+    check_audit({entry["name"]: entry for entry in audit}, preset)
+
+
+def test_submit_logs_the_audit_and_keeps_checkpoints_and_the_logged_model_in_fp32(
+    ray_session, tmp_path, monkeypatch, write_job, mlflow_uri
+):
+    """O2 (float16 weights) through submit: the audit is a run artifact, and the checkpoint and the logged model
+    hold fp32 weights, whatever the training precision."""
+    monkeypatch.chdir(tmp_path)
+    job = small_job(precision={"preset": "O2"}, run={"max_steps_per_epoch": 2}, scaling={"num_workers": 1},
+                    tracking={"uri": mlflow_uri, "experiment": "O2", "log_model": True})
+    assert submit(write_job, job) == 0
+    client, run = only_run(mlflow_uri, "O2")
+    assert run.info.status == "FINISHED" and run.data.tags["preset"] == "O2"
+    check_audit(audit_of(client, run.info.run_id), "O2")
+
+    storage = tmp_path / "ray_results"
+    (checkpoint_file,) = storage.glob("*/checkpoint_*/train_state.pt")
+    state = torch.load(checkpoint_file, weights_only=True)
+    assert {v.dtype for v in state["model"].values() if v.is_floating_point()} == {torch.float32}
+    mlflow.set_tracking_uri(mlflow_uri)
+    (logged,) = client.search_logged_models([run.info.experiment_id])
+    model = mlflow.pytorch.load_model(logged.model_uri)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_lint_error_stops_before_ray_and_names_the_fix(tmp_path, monkeypatch, write_job, capsys):
