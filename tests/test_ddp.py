@@ -42,11 +42,11 @@ def _train_a_few_steps(rank: int, config: dict, directory: str) -> None:
             outcomes.append(outcome.stepped)
         params = list(training.prepared.raw.parameters())
         flat = torch.cat([p.detach().double().flatten() for p in params])
+        guard = training.precision.guard
         torch.save({"rank": rank, "param_sum": float(flat.sum()), "param_abs": float(flat.abs().sum()),
                     "param_dtypes": sorted({str(p.dtype) for p in params}),
                     "first_batch_sum": first_batch_sum, "stepped": outcomes,
-                    **training.precision.guard.metrics(), "overflow_log": training.precision.guard.drain_overflow_log()},
-                   f"{directory}/rank{rank}.pt")
+                    **guard.metrics(), "overflow_log": guard.drain_overflow_log()}, f"{directory}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
     exit_rank()
