@@ -1,13 +1,17 @@
-"""`perf.keep_freed_memory`: Ray Train workers start with glibc malloc keeping freed memory, so a step's
-activations reuse pages instead of faulting fresh ones in every step."""
+"""`perf.keep_freed_memory`: Ray Train workers (and the Ray-free loop's ranks) start with glibc malloc keeping freed
+memory, so a step's activations reuse pages instead of faulting fresh ones in every step."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
+import torch
+from omegaconf import OmegaConf
+
 from orchestrator.config.loader import load_job
-from orchestrator.runner.launch import KEEP_FREED_MEMORY_ENV, build_trainer
+from orchestrator.runner.launch import build_trainer
+from orchestrator.train.memory import KEEP_FREED_MEMORY_ENV
 
 from conftest import REPO, small_job
 
@@ -32,6 +36,30 @@ def test_the_drivers_own_values_win_and_the_switch_turns_it_off(tmp_path, write_
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     assert trainer_env(tmp_path, write_job)["env_vars"]["MALLOC_MMAP_THRESHOLD_"] == "1048576"
     assert not trainer_env(tmp_path, write_job, "perf.keep_freed_memory=false")  # Ray keeps no env as {}
+
+
+def test_the_ray_free_loops_ranks_start_with_the_settings_too(tmp_path, write_job, monkeypatch):
+    """`local.spawn`'s rank processes inherit the environment they are started in: the settings are in it then
+    (not with the switch off), and the caller's environment is as it was afterwards."""
+    import torch.multiprocessing as mp
+
+    from orchestrator.train.local import spawn
+
+    for name in KEEP_FREED_MEMORY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+
+    def start_ranks(fn, args, nprocs, join):  # what the rank processes would inherit; rank 0's result file
+        seen.append({name: os.environ.get(name) for name in KEEP_FREED_MEMORY_ENV})
+        torch.save({"reports": [], "weights": {}}, args[3])
+
+    monkeypatch.setattr(mp, "spawn", start_ranks)
+    job = OmegaConf.to_container(load_job(write_job(small_job())), resolve=True)
+    spawn(job, 2, tmp_path / "on")
+    job["perf"]["keep_freed_memory"] = False
+    spawn(job, 2, tmp_path / "off")
+    assert seen == [KEEP_FREED_MEMORY_ENV, dict.fromkeys(KEEP_FREED_MEMORY_ENV)]
+    assert not any(name in os.environ for name in KEEP_FREED_MEMORY_ENV)
 
 
 FAULTS = textwrap.dedent("""

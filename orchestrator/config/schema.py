@@ -238,10 +238,10 @@ class PerfSection:
     compile_mode: Optional[str] = None
     """torch.compile mode (`default`, `reduce-overhead`, `max-autotune`); null is torch's default."""
     keep_freed_memory: bool = True
-    """Ray Train workers start with glibc malloc keeping freed memory (`MALLOC_MMAP_THRESHOLD_` 32 MiB,
-    `MALLOC_TRIM_THRESHOLD_` 4 GiB, unless the driver's environment sets them): each step's activations reuse
-    pages instead of faulting fresh ones in (measured on CPUs: 50,000-100,000 page faults/s per worker, up to
-    a quarter of a step). A worker's resident memory then stays at its peak."""
+    """Ray Train workers (and the Ray-free loop's ranks) start with glibc malloc keeping freed memory
+    (`MALLOC_MMAP_THRESHOLD_` 32 MiB, `MALLOC_TRIM_THRESHOLD_` 4 GiB, unless the driver's environment sets them):
+    each step's activations reuse pages instead of faulting fresh ones in (measured on CPUs: 50,000-100,000 page
+    faults/s per worker, up to a quarter of a step). A worker's resident memory then stays at its peak."""
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """Build the TorchTrainer for a resolved job: scaling, run, failure and checkpoint configs."""
 
-import os
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -8,22 +7,17 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from orchestrator.runner.worker import train_loop
-
-
-KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
-"""glibc malloc settings (`perf.keep_freed_memory`): blocks up to 32 MiB (the largest fixed threshold glibc takes)
-come from the heap instead of their own mmap, and the heap is not given back to the system below 4 GiB of free
-space. By default glibc unmaps a freed activation buffer and the next step faults its pages in again."""
+from orchestrator.train.memory import allocator_env
 
 
 def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
     """The workers' runtime env: `runtime_env` (the user's modules) plus the allocator settings of
-    `perf.keep_freed_memory`. Values in the driver's environment win; so do the runtime env's own. glibc reads
-    them once, when the process starts: Ray starts each worker with its runtime env's variables."""
-    if not cfg.perf.keep_freed_memory:
+    `perf.keep_freed_memory` (`train.memory.allocator_env`). Values in the driver's environment win; so do the
+    runtime env's own. Ray starts each worker with its runtime env's variables."""
+    allocator = allocator_env(cfg.perf.keep_freed_memory)
+    if not allocator:
         return runtime_env
     runtime_env = dict(runtime_env or {})
-    allocator = {name: os.environ.get(name, value) for name, value in KEEP_FREED_MEMORY_ENV.items()}
     runtime_env["env_vars"] = {**allocator, **runtime_env.get("env_vars", {})}
     return runtime_env
 

@@ -9,13 +9,15 @@ returns rank 0's reports and final fp32 weights.
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
 from orchestrator.train.checkpoint import Candidate, local_candidates
+from orchestrator.train.memory import allocator_env
 
 
 class LocalSession:
@@ -75,12 +77,29 @@ def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, 
     exit_rank()
 
 
+@contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` in this process's environment meanwhile (processes started meanwhile inherit them)."""
+    previous = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def spawn(job: dict[str, Any], world_size: int, directory: Path) -> dict[str, Any]:
     """Train a resolved job (a plain dict: `OmegaConf.to_container(cfg, resolve=True)`) on `world_size` local
-    processes; returns rank 0's `reports` and final fp32 `weights`. Checkpoints go to `directory/checkpoints`."""
+    processes; returns rank 0's `reports` and final fp32 `weights`. Checkpoints go to `directory/checkpoints`.
+    The ranks start with the allocator settings of `perf.keep_freed_memory`, as Ray Train workers do."""
     import torch.multiprocessing as mp
 
     directory.mkdir(parents=True, exist_ok=True)
     result = directory / "rank0.pt"
-    mp.spawn(_rank_main, args=(job, world_size, str(directory), str(result)), nprocs=world_size, join=True)
+    with environment(allocator_env(job["perf"]["keep_freed_memory"])):
+        mp.spawn(_rank_main, args=(job, world_size, str(directory), str(result)), nprocs=world_size, join=True)
     return torch.load(result, weights_only=False)
