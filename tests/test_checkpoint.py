@@ -233,3 +233,38 @@ def test_a_checkpoint_staged_by_a_killed_process_is_removed_when_training_next_s
     cfg = load_job(write_job(small_job(scaling={"num_workers": 1}, run={"epochs": 1, "max_steps_per_epoch": 1})))
     spawn(OmegaConf.to_container(cfg, resolve=True), world_size=1, directory=tmp_path / "run")
     assert not staged.exists()
+
+
+def test_a_rank_keeps_at_most_max_unlogged_reports_the_newest_and_drops_the_logged(write_job, tmp_path, monkeypatch):
+    """A driver that never logs (cut off from MLflow): each checkpoint holds the newest MAX_UNLOGGED reports,
+    not more. Once it says what it logged, those are dropped at the next checkpoint."""
+    import torch
+
+    from conftest import small_job
+    from orchestrator.config import load_job
+    from orchestrator.train import loop
+    from orchestrator.train.local import LocalSession
+
+    class CutOffDriver(LocalSession):
+        logged = 0
+
+        def logged_through(self):
+            return self.logged
+
+    monkeypatch.setattr(loop, "MAX_UNLOGGED", 3)
+    cfg = load_job(write_job(small_job(scaling={"num_workers": 1}, run={"max_steps_per_epoch": 8},
+                                       tracking={"log_every_n_steps": 1}, checkpoint={"every_n_steps": 6})))
+    session = CutOffDriver(0, 1, torch.device("cpu"), tmp_path / "checkpoints")
+    training_loop = loop.TrainingLoop(cfg, session)
+    real_report = training_loop.report
+
+    def report(metrics, checkpoint_at=None):
+        if training_loop.global_step == 8:  # the driver has logged reports 1-7 by now
+            session.logged = 7
+        real_report(metrics, checkpoint_at)
+
+    training_loop.report = report
+    training_loop.run()
+    mid, end = (read_checkpoint(directory, rank=0) for directory in sorted((tmp_path / "checkpoints").iterdir()))
+    assert [kept["seq"] for kept in mid.rank.unlogged] == [4, 5, 6]  # 6 reports, none logged: the newest 3
+    assert [kept["seq"] for kept in end.rank.unlogged] == [8, 9]  # 7, 8 and the epoch's end (9), 7 logged
