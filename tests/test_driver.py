@@ -234,6 +234,7 @@ def test_submit_turns_a_driver_failure_into_exit_1_and_one_line_naming_it_and_wh
         raise RuntimeError("injected: driver")
 
     monkeypatch.setattr(driver, "execute", fails)
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))  # execute() would stop it
     monkeypatch.chdir(tmp_path)
     job = write_job(small_job(checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     assert main([str(job)]) == driver.EXIT_FAILED
