@@ -276,22 +276,36 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
     assert before <= record["launched_at"] <= record["started"]
 
 
-def test_a_run_mlflow_refuses_shuts_down_the_ray_started_beside_it(fake_ray, write_job, tmp_path, monkeypatch):
-    """MLflow unreachable with `tracking.required` is still exit 2 with nothing left: the Ray started meanwhile is
-    shut down, the run's name is free, and the SIGTERM handler is the caller's again."""
-    import ray
-
-    shut_down = []
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (True, None))
-    monkeypatch.setattr(ray, "shutdown", lambda: shut_down.append(True))
+def test_a_tracking_server_that_refuses_connections_is_reported_before_ray_starts(write_job, tmp_path, monkeypatch):
+    """MLflow down with `tracking.required` is exit 2 with nothing started: no Ray, no run, the name free."""
+    started = []
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: started.append(address) or (True, None))
     storage = tmp_path / "refused_storage"
-    job = write_job(small_job(tracking={"uri": "http://127.0.0.1:9"}, checkpoint={"storage_path": str(storage)}),
-                    name="refused.yaml")
-    handler = signal.getsignal(signal.SIGTERM)
+    job = write_job(small_job(tracking={"uri": "http://127.0.0.1:9"}, checkpoint={"storage_path": str(storage)}))
     with pytest.raises(BadInput, match="cannot be reached"):
         driver.plan_run_as_ray_starts(load_job(job), job, None, RunChoice("refused"))
+    assert started == [] and not storage.exists()
+
+
+def test_a_run_refused_once_ray_started_shuts_that_ray_down(fake_ray, monkeypatch):
+    """A refusal that comes while Ray starts beside it (here the store refuses the new run) is still exit 2 with
+    nothing left: the Ray started meanwhile is shut down, the run's name is free, the SIGTERM handler the caller's."""
+    import ray
+
+    from orchestrator.tracking.tracker import RunTracker, TrackingUnavailable
+
+    def refuse(*args, **kwargs):
+        raise TrackingUnavailable("tracking: MLflow refused the run (injected)")
+
+    shut_down = []
+    monkeypatch.setattr(RunTracker, "start", refuse)
+    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (True, None))
+    monkeypatch.setattr(ray, "shutdown", lambda: shut_down.append(True))
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(BadInput, match="injected"):
+        driver.plan_run_as_ray_starts(load_job(fake_ray.job), fake_ray.job, None, RunChoice("refused"))
     assert shut_down == [True]
-    assert not storage.exists()
+    assert not (fake_ray.job.parent / "ray_results" / "refused").exists()
     assert signal.getsignal(signal.SIGTERM) is handler
 
 

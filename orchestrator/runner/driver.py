@@ -192,17 +192,40 @@ def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStar
     return start
 
 
+def _server_listens(uri: str, timeout_s: float = 2.0) -> bool:
+    """Whether an http(s) tracking server accepts connections (other stores: True). A quick TCP connect, without
+    importing MLflow: a server that is down is then reported before Ray starts, as it was before the overlap."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return True
+    try:
+        with socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice) -> RunPlan:
     """`plan_run` on a thread of its own while Ray starts on this one (Ray installs signal handlers, which only
     the main thread may): importing MLflow and creating the run take 1-2 s of the several a local Ray takes.
 
-    What `plan_run` refuses (exit 2) is raised here, after the Ray started for it is shut down; a Ray that
-    failed, or a Ctrl-C / SIGTERM while it started, is `execute`'s to end the created run with."""
+    A tracking server that refuses connections is found first, and the run planned before Ray starts (exit 2
+    with nothing started, or the warning of `tracking.required: false`). What `plan_run` refuses otherwise is
+    raised here, after the Ray started for it is shut down; a Ray that failed, or a Ctrl-C / SIGTERM while it
+    started, is `execute`'s to end the created run with."""
     import ray
 
-    from orchestrator.tracking.tracker import quick_http_failures
+    from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
 
     quick_http_failures()  # here, not on the thread: Ray's processes start with this environment
+    if not _server_listens(resolve_uri(cfg.tracking.uri, Path.cwd())):  # refused (exit 2) or warned before Ray
+        plan = plan_run(cfg, job_path, address, run)
+        plan.ray = start_ray(address, models.module_sources(cfg))
+        return plan
     outcome: dict = {}
 
     def plan() -> None:
