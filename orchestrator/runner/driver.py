@@ -194,7 +194,7 @@ def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStar
 
 def _server_listens(uri: str, timeout_s: float = 2.0) -> bool:
     """Whether an http(s) tracking server accepts connections (other stores: True). A quick TCP connect, without
-    importing MLflow: a server that is down is then reported before Ray starts, as it was before the overlap."""
+    importing MLflow, so that a server that is down is reported before Ray starts."""
     import socket
     from urllib.parse import urlsplit
 
