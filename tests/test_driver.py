@@ -1,5 +1,6 @@
 """The driver closes the MLflow run it created whatever fails after it: Ray unreachable, and a failure injected
-at each stage (with Ray faked) ends FAILED; an interrupt ends KILLED."""
+at each stage (with Ray faked) ends FAILED; an interrupt ends KILLED. The run is created while Ray starts, and
+what is refused then still leaves nothing behind."""
 
 import signal
 import threading
