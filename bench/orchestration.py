@@ -256,7 +256,7 @@ def main(argv=None) -> int:
                 else "median of steady windows", "log_every_n_steps": args.log_every,
                 "warmup_windows": args.warmup_windows, "repeats": args.repeats, "threads_per_rank": args.threads,
                 "dtype": "float32 (O0)",
-                "ray_train_health_check_interval_s": args.health_check_interval_s or "submit's default (orchestrator.runner.driver.HEALTH_CHECK_INTERVAL_S)",
+                "ray_train_health_check_interval_s": args.health_check_interval_s or "submit's default (orchestrator.runner.ray_start.HEALTH_CHECK_INTERVAL_S)",
                 "startup_from": "process start" if startup is from_start else "just before Ray starts",
                 "smoke": args.smoke},
         figures=figures,

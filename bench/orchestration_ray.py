@@ -35,7 +35,7 @@ def job_dict(args, tmp: Path, steps: int | None = None) -> dict:
 def ray_env(args) -> dict:
     """The environment of a subprocess that starts its own local Ray the way submit does: no RAY_ADDRESS, torch
     threads per worker = --threads, and submit's report poll (or --health-check-interval-s)."""
-    from orchestrator.runner.driver import HEALTH_CHECK_INTERVAL_S
+    from orchestrator.runner.ray_start import HEALTH_CHECK_INTERVAL_S
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["OMP_NUM_THREADS"] = str(args.threads)

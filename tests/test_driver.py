@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from orchestrator.errors import BadInput, Interrupted
-from orchestrator.runner import driver, records
+from orchestrator.runner import driver, ray_start, records
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import load_job
 
@@ -27,7 +27,7 @@ def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(write_job, tm
     def no_cluster(address, module_sources):
         raise ConnectionError(f"could not connect to {address}")
 
-    monkeypatch.setattr(driver, "init_ray", no_cluster)
+    monkeypatch.setattr(ray_start, "init_ray", no_cluster)
     assert driver.execute(plan) == driver.EXIT_FAILED
     run = MlflowClient(tracking_uri=uri).get_run(plan.tracker.run_id)
     assert run.info.status == "FAILED"
@@ -86,7 +86,7 @@ def fake_ray(write_job, tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))
+    monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (False, None))
     monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
 
@@ -235,7 +235,7 @@ def test_submit_turns_a_driver_failure_into_exit_1_and_one_line_naming_it_and_wh
         raise RuntimeError("injected: driver")
 
     monkeypatch.setattr(driver, "execute", fails)
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (False, None))  # execute() would stop it
+    monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (False, None))  # execute() would stop it
     monkeypatch.chdir(tmp_path)
     job = write_job(small_job(checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     assert main([str(job)]) == driver.EXIT_FAILED
@@ -267,7 +267,7 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
         return False, None
 
     monkeypatch.setattr(driver, "_start_run", start_run)
-    monkeypatch.setattr(driver, "init_ray", init_ray)
+    monkeypatch.setattr(ray_start, "init_ray", init_ray)
     before = time.time()
     plan = driver.plan_run_as_ray_starts(load_job(fake_ray.job), fake_ray.job, None, RunChoice("overlap"))
     assert seen == {"ray_was_starting": True, "on_the_main_thread": True, "run_created_meanwhile": True}
@@ -280,7 +280,7 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
 def test_a_tracking_server_that_refuses_connections_is_reported_before_ray_starts(write_job, tmp_path, monkeypatch):
     """MLflow down with `tracking.required` is exit 2 with nothing started: no Ray, no run, the name free."""
     started = []
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: started.append(address) or (True, None))
+    monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: started.append(address) or (True, None))
     storage = tmp_path / "refused_storage"
     job = write_job(small_job(tracking={"uri": "http://127.0.0.1:9"}, checkpoint={"storage_path": str(storage)}))
     with pytest.raises(BadInput, match="cannot be reached"):
@@ -300,7 +300,7 @@ def test_a_run_refused_once_ray_started_shuts_that_ray_down(fake_ray, monkeypatc
 
     shut_down = []
     monkeypatch.setattr(RunTracker, "start", refuse)
-    monkeypatch.setattr(driver, "init_ray", lambda address, module_sources: (True, None))
+    monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (True, None))
     monkeypatch.setattr(ray, "shutdown", lambda: shut_down.append(True))
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(BadInput, match="injected"):
@@ -320,7 +320,7 @@ def test_an_interrupt_while_ray_starts_closes_the_run_being_created_killed(fake_
     def init_ray(address, module_sources):
         raise interrupt
 
-    monkeypatch.setattr(driver, "init_ray", init_ray)
+    monkeypatch.setattr(ray_start, "init_ray", init_ray)
     plan = driver.plan_run_as_ray_starts(load_job(fake_ray.job), fake_ray.job, None, RunChoice("interrupted"))
     with pytest.raises(Interrupted) as raised:
         driver.execute(plan)

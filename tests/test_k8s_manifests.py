@@ -222,7 +222,7 @@ def test_every_ray_pod_reports_to_the_mlflow_service(overlay):
 
 
 def test_every_ray_pod_polls_reports_as_often_as_a_local_submit(overlay):
-    from orchestrator.runner.driver import HEALTH_CHECK_INTERVAL_S
+    from orchestrator.runner.ray_start import HEALTH_CHECK_INTERVAL_S
 
     _, objects = overlay
     for where, pod_spec in ray_pod_specs(objects):

@@ -269,7 +269,7 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     child finished), FAILED or KILLED."""
     import ray
 
-    from orchestrator.runner.driver import init_ray
+    from orchestrator.runner.ray_start import init_ray
     from orchestrator.runner.records import close_run
     from orchestrator.cli.sweep_report import add_baseline_ratios, label_of, markdown_table, verdict
     from orchestrator.tracking.tracker import view_hint

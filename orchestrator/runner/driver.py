@@ -3,16 +3,15 @@
 `plan_run()` settles what can still be refused with exit 2 (MLflow reachable) and only then creates
 or reopens the MLflow run of the run the pre-flight chose (`orchestrator.runner.preflight`); `execute()`
 starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KILLED
-(`records.close_run`). `plan_run_as_ray_starts()` does the first while Ray starts, for `execute()`.
+(`records.close_run`). `plan_run_as_ray_starts()` does the first while Ray starts, for `execute()`
+(Ray's start itself: `orchestrator.runner.ray_start`).
 """
 
 import logging
-import os
 import re
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -22,17 +21,14 @@ from omegaconf import DictConfig
 from orchestrator import console
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted, interrupt_on_sigterm
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.runner import outputs, records
 from orchestrator.runner.records import close_run
+from orchestrator.runner.ray_start import RayStart, server_listens, start_ray
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 logger = logging.getLogger("ampflow.runner")
-
-HEALTH_CHECK_INTERVAL_S = 0.5
-"""How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
-
 
 @dataclass
 class RunPlan:
@@ -50,7 +46,7 @@ class RunPlan:
     """How the run ended, once `execute` has run it (what `orchestrator.run()` returns)."""
     datasets: Sequence = ()
     """The train and eval sets' lineage, for a run created once MLflow answers (`RunChoice.datasets`)."""
-    ray: Optional["RayStart"] = None
+    ray: Optional[RayStart] = None
     """Ray as it was started for this run while its MLflow run was created (`plan_run_as_ray_starts`); None:
     `execute` starts it."""
 
@@ -130,85 +126,6 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
     return RunPlan(cfg, job_path, address, uri, run_name, resume, tracker, parent_run_id, datasets=run.datasets)
 
 
-def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tuple[bool, Optional[dict]]:
-    """Start (or connect to) Ray with worker logs kept off the console.
-
-    Returns (whether we started it, the runtime env the workers need). The user's modules from the
-    submit directory (models, datasets, losses, metrics) are shipped to every node as job-level
-    `py_modules`; Ray only uploads local code at the job level, so when the caller already
-    initialised Ray (a notebook, the tests) we can only point same-machine workers at their
-    directories through PYTHONPATH.
-    """
-    import ray
-
-    if ray.is_initialized():
-        if not module_sources:
-            return False, None
-        directories = dict.fromkeys(str(source.parent) for source in module_sources)
-        return False, {"env_vars": {"PYTHONPATH": os.pathsep.join(directories)}}
-    runtime_env = {"py_modules": [str(source) for source in module_sources]} if module_sources else None
-    # Ray Train's controller takes a worker's report only once per health check (2 s by default) and a
-    # worker holds one untaken report at most: with reports more frequent than that, training waits
-    # (measured in bench.orchestration). A local Ray we start inherits this environment; on an existing
-    # cluster, set it on the cluster.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
-    # Worker and controller logs stay in Ray's session directory; the console gets one progress line (and what
-    # the user's code prints on the workers, `run.worker_output`, through the relay). Ray's own INFO lines and
-    # start-up warnings reach it with -v only.
-    ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level=console.ray_logging_level())
-    return True, None
-
-
-@dataclass
-class RayStart:
-    """Ray for one run, as `start_ray` left it."""
-
-    launched_at: float
-    """When the run's launch began (wall clock, just before Ray starts): `perf/time_to_first_step_s` counts from it."""
-    started: bool = False
-    """Whether this run started Ray (and shuts it down at its end), rather than joining one."""
-    worker_runtime_env: Optional[dict] = None
-    """What the workers need on a Ray someone else started (`init_ray`)."""
-    error: Optional[BaseException] = None
-    """Why Ray could not be had (an Exception), or the Ctrl-C / SIGTERM that came while it started."""
-    previous_sigterm: object = None
-    """The SIGTERM handler before submit's own was installed again over Ray's (restored at the end)."""
-
-
-def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStart:
-    """`init_ray`, with what fails kept for `execute` to end the run with (FAILED, or KILLED for an interrupt),
-    and submit's SIGTERM handler installed again: Ray's core worker sets one of its own."""
-    import ray
-
-    start = RayStart(launched_at=time.time())
-    found_running = ray.is_initialized()
-    try:
-        start.started, start.worker_runtime_env = init_ray(address, module_sources)
-    except BaseException as exc:
-        # SIGTERM during ray.init meets the handler Ray installed first, which exits with the signal's number
-        start.error = Interrupted(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM else exc
-        start.started = not found_running and ray.is_initialized()
-    start.previous_sigterm = interrupt_on_sigterm()
-    return start
-
-
-def _server_listens(uri: str, timeout_s: float = 2.0) -> bool:
-    """Whether an http(s) tracking server accepts connections (other stores: True). A quick TCP connect, without
-    importing MLflow, so that a server that is down is reported before Ray starts."""
-    import socket
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return True
-    try:
-        with socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
-                                      timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
 def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice) -> RunPlan:
     """`plan_run` on a thread of its own while Ray starts on this one (Ray installs signal handlers, which only
     the main thread may): importing MLflow and creating the run take 1-2 s of the several a local Ray takes.
@@ -222,7 +139,7 @@ def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[st
     from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
 
     quick_http_failures()  # here, not on the thread: Ray's processes start with this environment
-    if not _server_listens(resolve_uri(cfg.tracking.uri, Path.cwd())):  # refused (exit 2) or warned before Ray
+    if not server_listens(resolve_uri(cfg.tracking.uri, Path.cwd())):  # refused (exit 2) or warned before Ray
         plan = plan_run(cfg, job_path, address, run)
         plan.ray = start_ray(address, models.module_sources(cfg))
         return plan
