@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.train.memory import bytes_by_dtype
+from orchestrator.precision.ledger import bytes_by_dtype
 from orchestrator.cli.summary import main as summary_main
 from orchestrator.cli.summary import summarize
 

@@ -19,7 +19,7 @@ from torch import nn
 from orchestrator.config.loader import load_precision
 from orchestrator.config.schema import OptimSection
 from orchestrator.errors import BadInput
-from orchestrator.train.memory import CATEGORIES, MemoryLedger
+from orchestrator.precision.ledger import CATEGORIES, MemoryLedger
 from orchestrator.train.models import build_model
 from orchestrator.train.optim import build_optimizer
 from orchestrator.precision import MasterWeights, Policy, apply, autocast_context, dtype_name, plan

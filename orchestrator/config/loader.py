@@ -12,9 +12,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from orchestrator.config.schema import JobConfig
+from orchestrator.config.schema import JobConfig, PrecisionSection
+from orchestrator.config.validate import validate
 from orchestrator.config.yamlsafe import load_yaml_mapping, parse_value
 from orchestrator.errors import BadInput
+from orchestrator.precision.policy import Policy
 
 # Lightning's precision strings, accepted as names of our presets.
 PRESET_ALIASES = {
@@ -116,9 +118,6 @@ def resolve_preset(name: str) -> str:
 
 def load_precision(preset: str) -> DictConfig:
     """The `precision` section a preset resolves to (schema defaults < the preset file), validated."""
-    from orchestrator.config.schema import PrecisionSection
-    from orchestrator.precision.policy import Policy
-
     canonical = resolve_preset(preset)
     preset_file = configs_dir() / "precision" / f"{canonical}.yaml"
     section = _merge(OmegaConf.structured(PrecisionSection), load_yaml_mapping(preset_file, what="precision preset"),
@@ -134,8 +133,6 @@ def load_job(path: str | Path, overrides: Iterable[str] = (), base_dir: Optional
     Relative local paths (data.root, checkpoint.storage_path) are made absolute against
     `base_dir` (default: the current directory), because workers run in other directories.
     """
-    from orchestrator.config.validate import validate  # validate imports models/data registries
-
     path = Path(path)
     job = load_yaml_mapping(path)
     _check_sections(job, str(path))

@@ -5,7 +5,8 @@ import re
 
 from omegaconf import DictConfig
 
-from orchestrator.train import data, models, task, vision
+from orchestrator.config import names
+from orchestrator.config.imports import is_import_path
 from orchestrator.errors import BadInput
 from orchestrator.precision.policy import Policy
 
@@ -59,6 +60,10 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.data.loader != "device" or cfg.data.loader_workers == 0, "data.loader_workers",
       "must be 0 with data.loader: device (the data is already on the device; there is nothing for "
       "loader processes to do).")
+    transforms = cfg.data.transforms
+    r((transforms.mean is None) == (transforms.std is None)
+      and (transforms.mean is None or len(transforms.mean) == len(transforms.std)), "data.transforms",
+      "mean and std go together, one value per channel each.")
     shape = list(cfg.data.synthetic_shape)
     r(len(shape) >= 1 and all(d >= 1 for d in shape), "data.synthetic_shape",
       f"must be a list of sizes >= 1 (e.g. [3, 32, 32]), got {shape}.")
@@ -69,10 +74,9 @@ def validate(cfg: DictConfig, source: str) -> None:
 
     try:  # these raise BadInput naming their key; add the file
         Policy.from_config(cfg.precision)
-        data.check_name(cfg.data.name)
-        models.resolve_factory(cfg.model.name)
-        task.check(cfg.task)
-        vision.check_transforms(cfg.data.transforms)
+        names.check_dataset_name(cfg.data.name)
+        names.check_model_name(cfg.model.name)
+        names.check_task(cfg.task)
     except BadInput as exc:
         raise BadInput(f"{source}: {exc}") from None
 
@@ -132,8 +136,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
     # Class scores: cross-entropy's outputs, or your own loss's when you evaluate accuracy on them.
-    scores = cfg.task.loss in task.CLASSIFICATION_LOSSES or (
-        task.is_import_path(cfg.task.loss) and "accuracy" in cfg.task.metrics)
+    scores = cfg.task.loss in names.CLASSIFICATION_LOSSES or (
+        is_import_path(cfg.task.loss) and "accuracy" in cfg.task.metrics)
     r(export_dtype is None or scores, "export.dtype",
       f"the export is checked by its accuracy drop, which needs class scores; task.loss is '{cfg.task.loss}'. "
       "Leave export.dtype null for this task (with a classification loss of your own, add 'accuracy' to "

@@ -1,38 +1,19 @@
-"""Autocast and GradScaler, decided once from the precision section.
+"""torch.amp's settings, decided once from the precision section: the autocast dtype and the loss scale.
 
 A tiny vocabulary in the spirit of Composer's `precision_context()`: the worker
-asks for one context manager per forward pass and one scaler, and never branches
-on dtypes itself.
+asks for one context manager per forward pass (`autocast_context`) and never branches
+on dtypes itself. The GradScalers these settings make are in `orchestrator.precision.scaler`.
 """
 
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 
 from orchestrator.errors import BadInput
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-
-
-def parse_dtype(name: str, where: str = "precision.compute_dtype") -> torch.dtype:
-    key = _ALIASES.get(str(name), str(name))
-    if key not in DTYPES:
-        raise BadInput(f"{where}: unknown dtype '{name}'. Use one of {', '.join(DTYPES)} (or fp32/fp16/bf16).")
-    return DTYPES[key]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float16` -> `float16`, the spelling used in metrics, tags and artifacts."""
-    return str(dtype).removeprefix("torch.")
-
+from orchestrator.precision.dtypes import parse_dtype
 
 DEFAULT_MAX_SCALE = float(2**24)
 """Apex's cap on the dynamic loss scale."""
@@ -100,33 +81,3 @@ def autocast_context(settings: AmpSettings, device_type: str) -> ContextManager:
     if not settings.autocast_enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=settings.compute_dtype)
-
-
-class HalfGradScaler(torch.amp.GradScaler):
-    """A GradScaler that also unscales float16 gradients in place: fp16 parameters without fp32 masters
-    (O3-like policies) have nothing else to unscale. torch refuses by default because the unscaled
-    values may underflow; the lint says so. `_unscale_grads_` is private (stable since torch 1.6)."""
-
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
-
-
-class FixedScaler(HalfGradScaler):
-    """A static loss scale: steps with inf/nan gradients are still skipped, the scale never moves."""
-
-    def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
-        super().update(self._init_scale if new_scale is None else new_scale)
-
-
-def make_scaler(settings: AmpSettings, device_type: str, enabled: Optional[bool] = None) -> torch.amp.GradScaler:
-    """A GradScaler, enabled when `enabled` says (default: fp16 autocast with scaling on)."""
-    kwargs = dict(
-        device=device_type,
-        enabled=settings.scaler_enabled if enabled is None else enabled,
-        growth_factor=settings.growth_factor,
-        backoff_factor=settings.backoff_factor,
-        growth_interval=settings.growth_interval,
-    )
-    if isinstance(settings.loss_scale, float):
-        return FixedScaler(init_scale=settings.loss_scale, **kwargs)
-    return HalfGradScaler(init_scale=settings.init_scale, **kwargs)

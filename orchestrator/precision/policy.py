@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from orchestrator.precision.amp import AmpSettings, dtype_name, parse_dtype
+from orchestrator.precision.amp import AmpSettings
+from orchestrator.precision.dtypes import dtype_name, parse_dtype
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 # Layers whose output autocast puts in the compute dtype (what the audit holds O1 to).

@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from orchestrator.precision.amp import AmpSettings, make_scaler
+from orchestrator.precision.amp import AmpSettings
+from orchestrator.precision.scaler import make_scaler
 
 
 class LossScaleCollapsed(RuntimeError):
@@ -158,7 +159,7 @@ class GuardedScaler:
         """Every rank's (found_inf, loss_not_finite), in one all-reduce and one host read."""
         flags = torch.zeros(2 * self.world_size, device=self.device)
         if self.scaler.is_enabled():
-            found = self._found_inf_tensors(optimizer)
+            found = self.scaler.found_inf_flags(optimizer)
             flags[self.rank] = torch.stack([f.to(self.device).reshape(()) for f in found]).sum().clamp(max=1)
         flags[self.world_size + self.rank] = (~torch.isfinite(loss.detach())).float()
         if self.world_size > 1:
@@ -166,14 +167,9 @@ class GuardedScaler:
         host = flags.tolist()
         return host[: self.world_size], host[self.world_size:]
 
-    def _found_inf_tensors(self, optimizer) -> list[torch.Tensor]:
-        # GradScaler keeps the per-device flags unscale_() computed in `_per_optimizer_states`
-        # (private, unchanged since torch 1.6); reading them saves another sync.
-        return list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-
     def _mark_found_inf(self, optimizer) -> None:
         """Make this rank's update() back off even when only another rank found inf."""
-        for flag in self._found_inf_tensors(optimizer):
+        for flag in self.scaler.found_inf_flags(optimizer):
             flag.fill_(1.0)
 
     def _skipped(self) -> None:
@@ -190,8 +186,8 @@ class GuardedScaler:
                 self.counters.growth_events += 1
                 self.counters.clean_streak = 0
                 # The scale just grew (the host mirrors GradScaler's growth tracker): cap it, on the device,
-                # without a sync. `_scale` is GradScaler's private scale tensor (stable since torch 1.6).
-                self.scaler._scale.clamp_(max=self.amp.max_scale)
+                # without a sync.
+                self.scaler.cap(self.amp.max_scale)
 
     def _collapse_reason(self) -> Optional[str]:
         limit = self.guard.max_consecutive_skips

@@ -161,7 +161,7 @@ def check_metric_names(cfg: DictConfig, evaluated: set[str]) -> None:
 def check_lint(cfg: DictConfig, model) -> None:
     """The precision lint: with `precision.lint: error` its errors stop the job and its warnings are printed;
     with `warn` everything is printed; `off` skips it."""
-    from orchestrator.precision.lint import lint
+    from orchestrator.train.lint import lint
 
     findings = lint(cfg, model) if cfg.precision.lint != "off" else []
     policy = f"preset {cfg.precision.preset}" if cfg.precision.preset else "this job's precision policy"

@@ -3,7 +3,7 @@
 import json
 from typing import Optional
 
-from orchestrator.train.memory import CATEGORIES
+from orchestrator.precision.ledger import CATEGORIES
 
 
 def _pyplot():

@@ -21,23 +21,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from orchestrator.config.imports import is_import_path, resolve_import_path
+from orchestrator.config.names import check_dataset_name
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train import vision
 
-NAMES = ("cifar10", "digits", "synthetic")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 DIGITS_SPLIT_SEED = 0  # the digits split is fixed, whatever the job's seed
 DIGITS_TEST_FRACTION = 0.2
-
-
-def check_name(name: str) -> None:
-    """A built-in dataset, or an import path to the user's factory (resolved, not called)."""
-    if is_import_path(name):
-        resolve_import_path(name, "data.name", kind="dataset factory")
-    elif name not in NAMES and name not in vision.NAMES:
-        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(NAMES)}, a torchvision dataset "
-                       f"({', '.join(vision.NAMES)}), or an import path 'mypackage.data:make_datasets' to a function "
-                       "returning (train dataset, eval dataset).")
 
 
 def _user_datasets(data_cfg) -> tuple[Dataset, Dataset]:
@@ -68,7 +58,7 @@ def _cifar_unavailable(root: Path, reason: str) -> DataUnavailable:
 
 def ensure_available(data_cfg) -> None:
     """Driver-side check before Ray starts: the dataset can be had (downloading it if allowed)."""
-    check_name(data_cfg.name)
+    check_dataset_name(data_cfg.name)
     if data_cfg.name in vision.NAMES:
         vision.build(data_cfg)  # downloads when allowed; DataUnavailable says where to put the files
         return
@@ -156,7 +146,7 @@ def _synthetic(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
 
 
 def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
-    check_name(data_cfg.name)
+    check_dataset_name(data_cfg.name)
     if is_import_path(data_cfg.name):
         return _user_datasets(data_cfg)
     if data_cfg.name in vision.NAMES:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from orchestrator.config.imports import import_module_from_cwd, is_import_path, resolve_import_path
+from orchestrator.config.names import check_model_name
 from orchestrator.errors import BadInput
 
 
@@ -77,12 +78,8 @@ REGISTRY: dict[str, Callable[..., nn.Module]] = {
 
 
 def resolve_factory(name: str, where: str = "model.name") -> Callable[..., nn.Module]:
+    check_model_name(name, where)
     if not is_import_path(name):
-        if name not in REGISTRY:
-            raise BadInput(
-                f"{where}: unknown model '{name}'. Use one of {', '.join(REGISTRY)} "
-                "or an import path like 'mypackage.models:MyNet'."
-            )
         return REGISTRY[name]
     # Refuses the standard library and builtins before anything is called (`os:system` runs a shell).
     return resolve_import_path(name, where, kind="model")

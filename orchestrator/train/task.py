@@ -15,17 +15,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from orchestrator.config.imports import is_import_path, resolve_import_path
-from orchestrator.errors import BadInput
+from orchestrator.config.imports import resolve_import_path
+from orchestrator.config.names import check_loss_name
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], dict[str, tuple[Any, Any]]]
-
-CLASSIFICATION_LOSSES = ("cross_entropy",)
-"""Losses whose outputs are class scores, so accuracy means something."""
-LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits")
-METRICS = ("accuracy", "top5")
-"""Built-in metrics: both need class scores (outputs N x classes, integer targets)."""
 
 
 def _as_outputs(targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -44,11 +38,9 @@ def build_loss(task) -> Loss:
     if name == "bce_with_logits":
         return lambda outputs, targets: F.binary_cross_entropy_with_logits(
             outputs.float(), _as_outputs(targets, outputs.float()))
-    if is_import_path(name):
-        user_loss = resolve_import_path(name, "task.loss", kind="loss")
-        return lambda outputs, targets: user_loss(outputs.float(), targets)
-    raise BadInput(f"task.loss: unknown loss '{name}'. Use one of {', '.join(LOSSES)} or an import path "
-                   "'mypackage.losses:my_loss' to a function (outputs, targets) -> loss.")
+    check_loss_name(name)  # an unknown name is refused here
+    user_loss = resolve_import_path(name, "task.loss", kind="loss")
+    return lambda outputs, targets: user_loss(outputs.float(), targets)
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
@@ -66,17 +58,3 @@ BUILT_IN = {"accuracy": accuracy, "top5": top5}
 def build_metrics(task) -> list[Metric]:
     return [BUILT_IN[name] if name in BUILT_IN else resolve_import_path(name, "task.metrics", kind="metric")
             for name in task.metrics]
-
-
-def check(task) -> None:
-    """Config-time: the loss and every metric resolve (import paths are imported, nothing is called), and the
-    built-in metrics fit the loss."""
-    build_loss(task)
-    for name in task.metrics:
-        if name not in METRICS and not is_import_path(name):
-            raise BadInput(f"task.metrics: unknown metric '{name}'. Use {', '.join(METRICS)} or an import path "
-                           "'mypackage.metrics:my_metric' to a function (outputs, targets) -> {name: (sum, count)}.")
-        if name in METRICS and task.loss in ("mse", "bce_with_logits"):
-            raise BadInput(f"task.metrics: '{name}' needs class scores, but task.loss is '{task.loss}'. Drop it "
-                           "from task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")
-    build_metrics(task)

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from orchestrator.precision.mixed import Precision
-from orchestrator.train.memory import param_bytes_by_dtype
+from orchestrator.precision import Precision
+from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm

@@ -9,16 +9,11 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from orchestrator.errors import BadInput, DataUnavailable
+from orchestrator.config.names import IMAGE_FOLDER, TORCHVISION_DATASETS as NAMES, TORCHVISION_SPLIT_BY as SPLIT_BY
+from orchestrator.errors import DataUnavailable
 
-SPLIT_BY = {"MNIST": "train", "FashionMNIST": "train", "KMNIST": "train", "EMNIST": "train", "QMNIST": "train",
-            "CIFAR10": "train", "CIFAR100": "train", "USPS": "train",
-            "SVHN": "split", "STL10": "split", "Flowers102": "split", "DTD": "split", "GTSRB": "split"}
-"""torchvision datasets by name, and how each picks its training or test part (`train=` or `split=`)."""
 SPLIT_NAMES = {"SVHN": ("train", "test"), "STL10": ("train", "test"), "Flowers102": ("train", "val"),
                "DTD": ("train", "val"), "GTSRB": ("train", "test")}
-FOLDER = "ImageFolder"
-NAMES = (*SPLIT_BY, FOLDER)
 
 
 def unavailable(name: str, root: Path, reason: str) -> DataUnavailable:
@@ -52,7 +47,7 @@ def build(cfg) -> tuple[Dataset, Dataset]:
 
     root, name = Path(cfg.root), cfg.name
     train_tf, eval_tf = transforms_for(cfg, train=True), transforms_for(cfg, train=False)
-    if name == FOLDER:
+    if name == IMAGE_FOLDER:
         missing = [str(root / part) for part in ("train", "val") if not (root / part).is_dir()]
         if missing:
             raise DataUnavailable(f"data: ImageFolder needs {root}/train and {root}/val, one sub-directory per class "
@@ -72,7 +67,3 @@ def build(cfg) -> tuple[Dataset, Dataset]:
     except OSError as exc:  # the download itself failed (URLError, socket, SSL errors are OSErrors)
         raise unavailable(name, root, f"{type(exc).__name__}: {exc}") from None
 
-
-def check_transforms(t) -> None:
-    if (t.mean is None) != (t.std is None) or (t.mean is not None and len(t.mean) != len(t.std)):
-        raise BadInput("data.transforms: mean and std go together, one value per channel each.")

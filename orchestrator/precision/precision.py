@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from orchestrator.precision.amp import autocast_context
+from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
 from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome
-from orchestrator.train.memory import MemoryLedger
 
 
 class PolicyNotHonoured(RuntimeError):

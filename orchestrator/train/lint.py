@@ -1,4 +1,7 @@
-"""Dangerous precision combinations, found on the driver before Ray starts.
+"""Dangerous precision combinations of a job, found on the driver before Ray starts.
+
+The precision lint lives with training, not in `orchestrator.precision`: it judges the policy together with
+the job's real optimizer (`orchestrator.train.optim`), which it runs on a toy parameter.
 
 Each finding says what is wrong, where, and the fix, and is an error or a warning.
 `precision.lint` decides what they do: `error` (errors stop the job with exit 2, warnings are
@@ -8,11 +11,13 @@ printed), `warn` (everything is printed, training goes on), or `off` (not checke
 import math
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
-from orchestrator.precision.amp import dtype_name
-from orchestrator.precision.mixed import bf16_unsupported
+from orchestrator.precision.dtypes import dtype_name
+from orchestrator.precision.precision import bf16_unsupported
 from orchestrator.precision.policy import NORM_TYPES, Policy, plan, unmatched_rules
+from orchestrator.train.optim import build_optimizer
 
 SIMULATED_STEPS = 100
 SIMULATED_GRADIENT = 1e-5
@@ -33,10 +38,6 @@ class Finding(str):
 def _adam_drift(cfg, dtype: torch.dtype) -> tuple[float, float]:
     """(where the job's optimizer moves a weight in `dtype`, where it moves it in fp32) after SIMULATED_STEPS
     steps of a constant SIMULATED_GRADIENT: the optimizer's real kernels, state kept in the parameter dtype."""
-    from omegaconf import OmegaConf
-
-    from orchestrator.train.optim import build_optimizer
-
     optim = OmegaConf.merge(cfg.optim, {"weight_decay": 0.0})  # decay pulls toward 0: not what is measured
     moved = []
     for param_dtype in (dtype, torch.float32):

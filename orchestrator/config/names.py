@@ -1,0 +1,71 @@
+"""The names a job file may use for built-in models, datasets, losses and metrics, and the checks of those
+names: a job is refused (exit 2, the key named) while it is loaded, before anything is built.
+
+The registries that build what these names mean (`orchestrator.train.models`, `.data`, `.vision`, `.task`) are
+keyed by these tuples; `tests/test_package.py` checks that they agree.
+"""
+
+from orchestrator.config.imports import is_import_path, resolve_import_path
+from orchestrator.errors import BadInput
+
+MODELS = ("simple_cnn", "resnet18", "three_conv")
+"""Built-in models (`model.name`)."""
+
+DATASETS = ("cifar10", "digits", "synthetic")
+"""Built-in datasets with recipes of their own (`data.name`)."""
+
+TORCHVISION_SPLIT_BY = {
+    "MNIST": "train", "FashionMNIST": "train", "KMNIST": "train", "EMNIST": "train", "QMNIST": "train",
+    "CIFAR10": "train", "CIFAR100": "train", "USPS": "train",
+    "SVHN": "split", "STL10": "split", "Flowers102": "split", "DTD": "split", "GTSRB": "split"}
+"""torchvision datasets by name, and how each picks its training or test part (`train=` or `split=`)."""
+IMAGE_FOLDER = "ImageFolder"
+TORCHVISION_DATASETS = (*TORCHVISION_SPLIT_BY, IMAGE_FOLDER)
+
+CLASSIFICATION_LOSSES = ("cross_entropy",)
+"""Losses whose outputs are class scores, so accuracy means something."""
+LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits")
+METRICS = ("accuracy", "top5")
+"""Built-in metrics: both need class scores (outputs N x classes, integer targets)."""
+
+
+def check_model_name(name: str, where: str = "model.name") -> None:
+    """A built-in model, or an import path to the user's class or factory (imported, not called)."""
+    if is_import_path(name):
+        resolve_import_path(name, where, kind="model")
+    elif name not in MODELS:
+        raise BadInput(f"{where}: unknown model '{name}'. Use one of {', '.join(MODELS)} or an import path like "
+                       "'mypackage.models:MyNet'.")
+
+
+def check_dataset_name(name: str) -> None:
+    """A built-in dataset, or an import path to the user's factory (imported, not called)."""
+    if is_import_path(name):
+        resolve_import_path(name, "data.name", kind="dataset factory")
+    elif name not in DATASETS and name not in TORCHVISION_DATASETS:
+        raise BadInput(f"data.name: unknown dataset '{name}'. Use one of {', '.join(DATASETS)}, a torchvision dataset "
+                       f"({', '.join(TORCHVISION_DATASETS)}), or an import path 'mypackage.data:make_datasets' to a "
+                       "function returning (train dataset, eval dataset).")
+
+
+def check_loss_name(name: str) -> None:
+    if is_import_path(name):
+        resolve_import_path(name, "task.loss", kind="loss")
+    elif name not in LOSSES:
+        raise BadInput(f"task.loss: unknown loss '{name}'. Use one of {', '.join(LOSSES)} or an import path "
+                       "'mypackage.losses:my_loss' to a function (outputs, targets) -> loss.")
+
+
+def check_task(task) -> None:
+    """The loss and every metric resolve (import paths are imported, nothing is called), and the built-in
+    metrics fit the loss."""
+    check_loss_name(task.loss)
+    for name in task.metrics:
+        if is_import_path(name):
+            resolve_import_path(name, "task.metrics", kind="metric")
+        elif name not in METRICS:
+            raise BadInput(f"task.metrics: unknown metric '{name}'. Use {', '.join(METRICS)} or an import path "
+                           "'mypackage.metrics:my_metric' to a function (outputs, targets) -> {name: (sum, count)}.")
+        elif task.loss in ("mse", "bce_with_logits"):
+            raise BadInput(f"task.metrics: '{name}' needs class scores, but task.loss is '{task.loss}'. Drop it "
+                           "from task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")

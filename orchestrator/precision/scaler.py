@@ -1,0 +1,53 @@
+"""The GradScalers ampflow runs, and the one place that touches GradScaler's private attributes.
+
+`torch.amp.GradScaler` keeps what ampflow needs beyond its public API in private attributes:
+the per-device found-inf flags `unscale_()` computed (`_per_optimizer_states`), the scale tensor
+(`_scale`, to cap it without a host sync), the unscale routine (`_unscale_grads_`, to unscale fp16
+gradients in place) and the initial scale (`_init_scale`). They have not changed since torch 1.6;
+`tests/test_amp.py::test_the_grad_scaler_internals_ampflow_reads_are_where_it_reads_them` fails the
+day they do.
+"""
+
+from typing import Optional
+
+import torch
+
+from orchestrator.precision.amp import AmpSettings
+
+
+class Scaler(torch.amp.GradScaler):
+    """A GradScaler that also unscales float16 gradients in place: fp16 parameters without fp32 masters
+    (O3-like policies) have nothing else to unscale. torch refuses by default because the unscaled
+    values may underflow; the lint says so."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+    def found_inf_flags(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The per-device found-inf flags `unscale_(optimizer)` left (reading them saves another sync)."""
+        return list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+    def cap(self, max_scale: float) -> None:
+        """Clamp the scale to `max_scale` on its device, without a host sync."""
+        self._scale.clamp_(max=max_scale)
+
+
+class FixedScaler(Scaler):
+    """A static loss scale: steps with inf/nan gradients are still skipped, the scale never moves."""
+
+    def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
+        super().update(self._init_scale if new_scale is None else new_scale)
+
+
+def make_scaler(settings: AmpSettings, device_type: str, enabled: Optional[bool] = None) -> Scaler:
+    """A GradScaler, enabled when `enabled` says (default: fp16 autocast with scaling on)."""
+    kwargs = dict(
+        device=device_type,
+        enabled=settings.scaler_enabled if enabled is None else enabled,
+        growth_factor=settings.growth_factor,
+        backoff_factor=settings.backoff_factor,
+        growth_interval=settings.growth_interval,
+    )
+    if isinstance(settings.loss_scale, float):
+        return FixedScaler(init_scale=settings.loss_scale, **kwargs)
+    return Scaler(init_scale=settings.init_scale, **kwargs)
