@@ -48,8 +48,13 @@ def small_job(**sections) -> dict:
         "tracking": {"log_every_n_steps": 2, "log_model": False},
     }
     for name, values in sections.items():
-        job[name] = {**job.get(name, {}), **values}
+        job[name] = values if isinstance(values, list) else {**job.get(name, {}), **values}
     return job
+
+
+def drill(name: str, **kwargs) -> dict:
+    """A job's `callbacks` entry for one of tests/drills.py's deliberate failures."""
+    return {"name": f"drills:{name}", "kwargs": kwargs}
 
 
 _MAIN_RUNNER = """

@@ -188,18 +188,42 @@ def test_reports_kept_for_replay_load_with_the_checkpoint(tmp_path):
     """A rank's unlogged reports travel in its own file and load back with weights_only (plain values only)."""
     import numpy as np
 
-    from orchestrator.train.loop import kept_for_replay
+    from orchestrator.train.hooks.outbox import kept_for_replay
+    from orchestrator.train.report import Report
 
-    kept = kept_for_replay({"seq": 3, "step": 6, "train/loss": np.float32(0.5), "warnings": ["x"],
-                            "amp/overflow_log": [{"step": 5, "rank": 0, "event": "overflow"}]}, rank=0)
-    assert kept == {"seq": 3, "step": 6, "train/loss": 0.5,
-                    "amp/overflow_log": [{"step": 5, "rank": 0, "event": "overflow"}]}
-    assert kept_for_replay({"seq": 3, "step": 6, "train/loss": 0.5, "amp/overflow_log": []}, rank=1) is None
+    overflow = [{"step": 5, "rank": 0, "event": "overflow"}]
+    kept = kept_for_replay(Report(seq=3, step=6, metrics={"train/loss": np.float32(0.5)}, warnings=["x"],
+                                  overflow_records=overflow), rank=0)
+    assert kept == Report(seq=3, step=6, metrics={"train/loss": 0.5}, overflow_records=overflow).to_wire()
+    assert type(kept["metrics"]["train/loss"]) is float and kept["warnings"] == []
+    assert kept_for_replay(Report(seq=3, step=6, metrics={"train/loss": 0.5}), rank=1) is None
     directory = tmp_path / "checkpoint_000000006"
     directory.mkdir()
-    write_checkpoint_files(directory, 0, shared_state(6),
-                           {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}, "unlogged": [kept]})
-    assert read_checkpoint(directory, rank=0).rank.unlogged == [kept]
+    write_checkpoint_files(directory, 0, shared_state(6), {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0},
+                                                           "hooks": {"replay": {"unlogged": [kept]}}})
+    assert read_checkpoint(directory, rank=0).rank.hooks == {"replay": {"unlogged": [kept]}}
+
+
+def test_a_checkpoint_written_before_reports_were_typed_loads_its_reports_converted(tmp_path):
+    """Format 2 kept reports as flat dicts (metrics beside control keys): they load as wire-form Reports, so a
+    run interrupted before an upgrade resumes and sends them again."""
+    from orchestrator.train.report import Report
+
+    flat = {"seq": 3, "epoch": 1, "epochs": 2, "step": 6, "total_steps": 12, "train/loss": 0.5, "optim/lr": 0.1,
+            "tags": {"resumed_from_step": "4"}, "precision/audit": [{"name": "fc"}],
+            "amp/overflow_log": [{"step": 5, "rank": 0}], "system_samples": [{"t": 1, "step": 5, "m": {}}]}
+    directory = tmp_path / "checkpoint_000000006"
+    directory.mkdir()
+    shared = {**shared_state(6), "format": 2, "report": {"seq": 3, "step": 6, "train/loss": 0.5}}
+    write_checkpoint_files(directory, 0, shared, {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0},
+                                                  "unlogged": [flat]})
+    state = read_checkpoint(directory, rank=0)
+    assert Report.from_wire(state.report) == Report(seq=3, step=6, metrics={"train/loss": 0.5})
+    (kept,) = state.rank.hooks["replay"]["unlogged"]
+    assert Report.from_wire(kept) == Report(
+        seq=3, step=6, epoch=1, epochs=2, total_steps=12, metrics={"train/loss": 0.5, "optim/lr": 0.1},
+        tags={"resumed_from_step": "4"}, tables={"precision/audit": [{"name": "fc"}]},
+        overflow_records=[{"step": 5, "rank": 0}], system_samples=[{"t": 1, "step": 5, "m": {}}])
 
 
 STAGE_AND_DIE = """
@@ -243,6 +267,7 @@ def test_a_rank_keeps_at_most_max_unlogged_reports_the_newest_and_drops_the_logg
     from conftest import small_job
     from orchestrator.config import load_job
     from orchestrator.train import loop
+    from orchestrator.train.hooks import outbox
     from orchestrator.train.local import LocalSession
 
     class CutOffDriver(LocalSession):
@@ -251,20 +276,21 @@ def test_a_rank_keeps_at_most_max_unlogged_reports_the_newest_and_drops_the_logg
         def logged_through(self):
             return self.logged
 
-    monkeypatch.setattr(loop, "MAX_UNLOGGED", 3)
+    monkeypatch.setattr(outbox, "MAX_UNLOGGED", 3)
     cfg = load_job(write_job(small_job(scaling={"num_workers": 1}, run={"max_steps_per_epoch": 8},
                                        tracking={"log_every_n_steps": 1}, checkpoint={"every_n_steps": 6})))
     session = CutOffDriver(0, 1, torch.device("cpu"), tmp_path / "checkpoints")
     training_loop = loop.TrainingLoop(cfg, session)
-    real_report = training_loop.report
+    real_send = training_loop.send
 
-    def report(metrics, checkpoint_at=None):
+    def send(report, checkpoint_at=None):
         if training_loop.global_step == 8:  # the driver has logged reports 1-7 by now
             session.logged = 7
-        real_report(metrics, checkpoint_at)
+        real_send(report, checkpoint_at)
 
-    training_loop.report = report
+    training_loop.send = send
     training_loop.run()
     mid, end = (read_checkpoint(directory, rank=0) for directory in sorted((tmp_path / "checkpoints").iterdir()))
-    assert [kept["seq"] for kept in mid.rank.unlogged] == [4, 5, 6]  # 6 reports, none logged: the newest 3
-    assert [kept["seq"] for kept in end.rank.unlogged] == [8, 9]  # 7, 8 and the epoch's end (9), 7 logged
+    unlogged = lambda state: [kept["seq"] for kept in state.rank.hooks["replay"]["unlogged"]]  # noqa: E731
+    assert unlogged(mid) == [4, 5, 6]  # 6 reports, none logged: the newest 3
+    assert unlogged(end) == [8, 9]  # 7, 8 and the epoch's end (9), 7 logged

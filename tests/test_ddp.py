@@ -2,6 +2,7 @@
 step the Ray Train worker runs (the worker adds nothing to it: test_one_core)."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 def _train_a_few_steps(rank: int, config: dict, directory: str) -> None:
     from orchestrator.config import load_job
     from orchestrator.train.data import build_datasets, build_loaders
-    from orchestrator.train.faults import Faults
+    from drills import Overflow
     from orchestrator.train.local import exit_rank
     from orchestrator.train.rng import seed_everything
     from orchestrator.train.step import train_step
@@ -32,13 +33,15 @@ def _train_a_few_steps(rank: int, config: dict, directory: str) -> None:
         loader, _, _ = build_loaders(train, test, batch_size=16, rank=rank, world_size=2, seed=0,
                                      loader_workers=0, pin_memory=False)
         training = build_training(cfg, device, rank=rank, world_size=2, total_steps=3)
-        faults = Faults(cfg.faults, rank)
+        drill = Overflow(**config["overflow"]) if "overflow" in config else None
+        as_loop = SimpleNamespace(rank=rank, training=training)  # what the drill reads of the loop
+        after_backward = (lambda step: drill.after_backward(as_loop, step)) if drill else None
         first_batch_sum, outcomes = None, []
         for step, (inputs, targets) in enumerate(loader, start=1):
             if step == 4:
                 break
             first_batch_sum = first_batch_sum if first_batch_sum is not None else float(inputs.sum())
-            _, outcome = train_step(training, inputs, targets, device, step, faults)
+            _, outcome = train_step(training, inputs, targets, device, step, after_backward)
             outcomes.append(outcome.stepped)
         params = list(training.prepared.raw.parameters())
         flat = torch.cat([p.detach().double().flatten() for p in params])
@@ -71,9 +74,8 @@ def test_parameters_are_equal_on_both_ranks_after_training(tmp_path, preset, dty
 def test_an_overflow_on_one_rank_is_seen_by_both_and_both_skip(tmp_path):
     # The inf reaches rank 1's gradient only, after DDP's all-reduce: only the gathered found-inf
     # flags can make rank 0 skip too. Without that, rank 0 would step and the ranks would drift.
-    overrides = ["faults.overflow_at_steps=[2]", "faults.overflow_rank=1", "faults.overflow_layer=features.0",
-                 "precision.init_scale=1024"]
-    rank0, rank1 = _run(tmp_path, preset="O1", overrides=overrides)
+    rank0, rank1 = _run(tmp_path, preset="O1", overrides=["precision.init_scale=1024"],
+                        overflow={"at_steps": [2], "rank": 1, "layer": "features.0"})
     assert rank0["stepped"] == rank1["stepped"] == [True, False, True]
     assert rank0["amp/skipped_steps"] == rank1["amp/skipped_steps"] == 1.0
     assert rank0["amp/loss_scale"] == rank1["amp/loss_scale"] == 512.0  # both backed off

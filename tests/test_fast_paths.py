@@ -1,14 +1,20 @@
 """Fast-path switches change speed, not the maths: channels_last, optimizer kernels, torch.compile, DDP knobs."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 import torch.distributed as dist
 from torch import nn
 
 from orchestrator.config import load_job
-from orchestrator.train.data import build_datasets, build_device_loaders
-from orchestrator.train.training import build_training, ddp_kwargs, register_comm_hook
-from orchestrator.train.step import Window, after_step, train_step
+from orchestrator.train.ddp import ddp_kwargs, register_comm_hook
+from orchestrator.train.local import LocalSession
+from orchestrator.train.loop import TrainingLoop
+from orchestrator.train.step import Step
+from orchestrator.train.training import build_training
 
 from conftest import REPO
 
@@ -20,21 +26,18 @@ def job(*overrides):
 
 
 def losses(cfg, steps=3):
-    """Losses of the first `steps` steps from a fixed initialisation, as the worker runs them."""
-    torch.manual_seed(0)
-    train, test = build_datasets(cfg.data, 10)
-    loader, _, position = build_device_loaders(train, test, batch_size=16, rank=0, world_size=1, seed=0,
-                                               augment=False, device=CPU)
-    training = build_training(cfg, CPU, total_steps=steps)
-    window = Window(CPU)
-    position.set_position(0, 0, 16)
+    """Losses of the first `steps` steps from a fixed initialisation, as the worker's training loop runs them
+    (its `train_step`: the hooks, the audit closing, compilation once audited)."""
+    session = LocalSession(0, 1, CPU, Path(tempfile.mkdtemp(prefix="fast-paths-")))  # no checkpoint is written
+    loop = TrainingLoop(OmegaConf.merge(cfg, {"data": {"loader": "device", "augment": False},
+                                              "run": {"batch_size": 16}}), session)
+    loop.hooks.call("setup", loop)
+    loop.position.set_position(0, 0, 16)
     out = []
-    for step, (inputs, targets) in enumerate(loader, start=1):
-        loss, outcome = train_step(training, inputs, targets, CPU, step)
-        after_step(training, loss, outcome, len(targets), window, {})
-        out.append(loss.item())
-        if step == steps:
-            return out, training
+    for index, batch in zip(range(steps), loop.train_loader):
+        out.append(loop.train_step(Step(index + 1, 0, index, [batch])).loss.item())
+    loop.hooks.call("teardown", loop)
+    return out, loop.training
 
 
 def test_channels_last_stores_conv_weights_nhwc_and_trains_the_same():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import small_job
+from conftest import drill, small_job
 from test_submit_e2e import only_run
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def test_injected_overflow_is_skipped_logged_and_plotted_with_memory_by_dtype(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri):
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "telemetry",
                 precision={"preset": "O1", "init_scale": 1024},
-                faults={"overflow_at_steps": [3], "overflow_layer": "features.3"})
+                callbacks=[drill("Overflow", at_steps=[3], layer="features.3")])
     assert rc == 0
     client, run = only_run(mlflow_uri, "telemetry")
     run_id, metrics = run.info.run_id, run.data.metrics
@@ -75,7 +75,7 @@ def test_injected_overflow_is_skipped_logged_and_plotted_with_memory_by_dtype(
     assert Path(client.download_artifacts(run_id, "plots/loss_scale.png")).read_bytes()[:4] == b"\x89PNG"
 
 
-COLLAPSE = {"faults": {"overflow_at_steps": [2, 3, 4], "overflow_layer": "classifier.3"}}
+COLLAPSE = {"callbacks": [drill("Overflow", at_steps=[2, 3, 4], layer="classifier.3")]}
 
 
 def test_collapse_abort_fails_naming_the_overflowing_layer(ray_session, tmp_path, monkeypatch, write_job,
@@ -120,7 +120,7 @@ def test_collapse_rollback_restores_the_last_checkpoint(ray_session, tmp_path, m
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "rollback",
                 precision={"preset": "O1", "init_scale": 1024,
                            "scaler": {"max_consecutive_skips": 2, "on_collapse": "rollback"}},
-                run={"epochs": 2}, faults={"overflow_at_steps": [6, 7, 8]})
+                run={"epochs": 2}, callbacks=[drill("Overflow", at_steps=[6, 7, 8])])
     assert rc == 0
     client, run = only_run(mlflow_uri, "rollback")
     scale = dict(history(client, run.info.run_id, "amp/loss_scale"))
@@ -136,7 +136,7 @@ def test_nan_loss_skip_leaves_the_scale_and_abort_fails(ray_session, tmp_path, m
                                                         capsys):
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-skip",
                 precision={"preset": "O1", "init_scale": 1024, "scaler": {"on_nan_loss": "skip"}},
-                faults={"nan_loss_at_step": 2})
+                callbacks=[drill("NanLoss", at_step=2)])
     assert rc == 0
     client, run = only_run(mlflow_uri, "nan-skip")
     assert run.data.metrics["amp/nan_loss_steps"] == 1.0 and run.data.metrics["amp/skipped_steps"] == 1.0
@@ -144,6 +144,6 @@ def test_nan_loss_skip_leaves_the_scale_and_abort_fails(ray_session, tmp_path, m
 
     # bf16: no scaler, nothing agreed per step; the loss window catches it, on every rank alike.
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-abort", precision={"preset": "bf16-mixed"},
-                faults={"nan_loss_at_step": 2})
+                callbacks=[drill("NanLoss", at_step=2)])
     assert rc == 1
     assert "raised NonFiniteLoss: the loss was not finite in the steps up to 2" in capsys.readouterr().err

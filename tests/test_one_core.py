@@ -41,7 +41,7 @@ def test_ray_train_and_the_ray_free_loop_end_with_the_same_weights(ray_session, 
     assert any(not torch.equal(initial[name], weight) for name, weight in through_ray.model.items()
                if weight.is_floating_point())
     # The same reports, step by step (loss to float precision; the ranks' windows were reduced alike).
-    ray_free_losses = [r["train/loss"] for r in ray_free["reports"] if "train/loss" in r]
+    ray_free_losses = [r.metrics["train/loss"] for r in ray_free["reports"] if "train/loss" in r.metrics]
     assert len(ray_free_losses) == 3  # log_every_n_steps 2, 6 steps
 
 

@@ -51,8 +51,8 @@ def test_every_preset_trains_the_quickstart_model_and_audits_it(tmp_path, preset
                                             scaling={"num_workers": 1})))
     session = LocalSession(0, 1, torch.device("cpu"), tmp_path / "checkpoints")
     TrainingLoop(load_job(job), session).run()
-    assert session.reports[-1]["step"] == 2 and "eval/loss" in session.reports[-1]
-    (audit,) = [report["precision/audit"] for report in session.reports if "precision/audit" in report]
+    assert session.reports[-1].step == 2 and "eval/loss" in session.reports[-1].metrics
+    (audit,) = [report.tables["precision/audit"] for report in session.reports if "precision/audit" in report.tables]
     check_audit({entry["name"]: entry for entry in audit}, preset)
 
 

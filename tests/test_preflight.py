@@ -14,7 +14,8 @@ from orchestrator.runner.preflight import RunChoice, preflight
 # name: (overrides for both commands, what the one error line must say)
 CASES = {
     "lint_error": (["precision.lint=error"], "preset O3: precision lint found"),
-    "missing_overflow_layer": (["faults.overflow_layer=nowhere"], "faults.overflow_layer: 'nowhere'"),
+    "callback_without_hooks": (["callbacks=[omegaconf:OmegaConf]"],
+                               "callbacks[0].name: omegaconf:OmegaConf has none of the training loop's hook methods"),
     "capacity_shortfall": (["scaling.resources_per_worker.CPU=4096"], "8192 CPU (2 workers x 4096)"),
     "run_name_taken": (["run.name=taken"], "already exists in"),
 }

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import small_job
+from conftest import drill, small_job
 from test_submit_e2e import only_run
 
 pytestmark = pytest.mark.slow
@@ -68,9 +68,11 @@ def test_killed_worker_resumes_at_its_checkpoint_bit_identical_and_logs_each_ste
     common = [f"tracking.uri={mlflow_uri}"]
     assert main([str(job), *common, "tracking.experiment=straight", f"checkpoint.storage_path={tmp_path / 'a'}"]) == 0
     # Rank 1 dies (os._exit) at the start of step 6; the newest checkpoint is step 4's, mid-epoch.
+    marker = tmp_path / "killed"
+    kill = f"callbacks=[{{name: 'drills:KillRank', kwargs: {{rank: 1, at_step: 6, marker: '{marker}'}}}}]"
     assert main([str(job), *common, "tracking.experiment=killed", f"checkpoint.storage_path={tmp_path / 'b'}",
-                 "faults.kill_rank=1", "faults.at_step=6", "failure.max_failures=1"]) == 0
-    assert list((tmp_path / "b").glob("*/.ampflow_fault_kill_rank1_step6")), "the worker was never killed"
+                 kill, "failure.max_failures=1"]) == 0
+    assert marker.exists(), "the worker was never killed"
 
     straight, resumed = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     for part in ("model", "optimizer", "scaler", "counters", "scheduler"):
@@ -173,7 +175,7 @@ def test_a_disk_that_fills_up_during_rays_copy_leaves_no_partial_checkpoint_and_
 
     job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 1, "max_steps_per_epoch": 6},
                               tracking={"uri": mlflow_uri, "experiment": "full"},
-                              checkpoint={"every_n_steps": 2}, faults={"disk_full_at_step": 4}))
+                              checkpoint={"every_n_steps": 2}, callbacks=[drill("DiskFull", at_step=4)]))
     monkeypatch.chdir(tmp_path)
     assert main([str(job)]) == 1
     err = capsys.readouterr().err

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from orchestrator.tracking.relay import merge_ranks
-from orchestrator.train.system import SYSTEM_SAMPLES, SystemSampler, start_sampler
+from orchestrator.train.report import Report
+from orchestrator.train.system import SystemSampler, start_sampler
 
 
 def test_a_sampler_reads_its_process_cpu_and_memory_at_the_step_the_loop_is_at():
@@ -35,10 +35,11 @@ def test_an_interval_of_zero_samples_nothing():
 
 def test_the_relay_callback_gathers_every_ranks_samples_onto_rank_0s_report():
     sample = lambda rank: {"t": 1, "step": 2, "m": {f"system/rank_{rank}/memory_rss_megabytes": 1.0}}  # noqa: E731
-    report, overflow = merge_ranks([
-        {"step": 2, "train/loss": 0.5, SYSTEM_SAMPLES: [sample(0)], "amp/overflow_log": [{"step": 1, "rank": 0}]},
-        {"step": 2, "train/loss": 0.5, SYSTEM_SAMPLES: [sample(1)]},
-    ])
-    assert report == {"step": 2, "train/loss": 0.5, SYSTEM_SAMPLES: [sample(0), sample(1)]}
-    assert overflow == [{"step": 1, "rank": 0}]
-    assert SYSTEM_SAMPLES not in merge_ranks([{"step": 1}, {"step": 1}])[0]
+    ranks = [Report(step=2, metrics={"train/loss": 0.5}, system_samples=[sample(0)],
+                    overflow_records=[{"step": 1, "rank": 0}], tags={"t": "0"}),
+             Report(step=2, metrics={"train/loss": 0.5}, system_samples=[sample(1)],
+                    overflow_records=[{"step": 1, "rank": 1}], tags={"t": "1"})]
+    merged = Report.merged([Report.from_wire(report.to_wire()) for report in ranks])  # as they travel
+    assert merged == Report(step=2, metrics={"train/loss": 0.5}, system_samples=[sample(0), sample(1)],
+                            overflow_records=[{"step": 1, "rank": 0}, {"step": 1, "rank": 1}], tags={"t": "0"})
+    assert Report.merged([Report(step=1), Report(step=1)]).system_samples == []

@@ -4,15 +4,16 @@ step, gradient accumulation equal to the bigger batch with DDP synchronising onl
 early stopping, and the learning rate in every report."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from conftest import small_job
+from drills import Overflow
 from orchestrator.config import load_job
 from orchestrator.train.data import build_rank_loaders
-from orchestrator.train.faults import Faults
 from orchestrator.train.local import spawn
 from orchestrator.train.step import train_step
 from orchestrator.train.stopping import EarlyStopping
@@ -66,12 +67,12 @@ def test_clipping_measures_and_clips_the_unscaled_gradients(write_job, preset):
 
 def test_a_step_the_scaler_skips_is_neither_clipped_nor_counted(write_job):
     cfg = load_job(write_job(small_job(precision={"preset": "O1"}, scaling={"num_workers": 1},
-                                       optim={"clip_grad_norm": 0.5}, run={"batch_size": 8},
-                                       faults={"overflow_at_steps": [1]})))
+                                       optim={"clip_grad_norm": 0.5}, run={"batch_size": 8})))
     training = built(cfg)
     before = weights(training)
     inputs, targets = first_batch(cfg)
-    _, outcome = train_step(training, inputs, targets, CPU, step=1, faults=Faults(cfg.faults, rank=0))
+    overflow = lambda step: Overflow(at_steps=[1]).after_backward(SimpleNamespace(rank=0, training=training), step)  # noqa: E731
+    _, outcome = train_step(training, inputs, targets, CPU, step=1, after_backward=overflow)
     assert not outcome.stepped and outcome.overflow
     assert outcome.grad_norm is None
     assert distance(before, training.precision.fp32_state_dict()) == 0.0
@@ -89,8 +90,8 @@ def test_accumulating_four_batches_of_8_equals_one_batch_of_32_on_two_ddp_ranks(
     big, accumulated = trained(32, 1, "big"), trained(8, 4, "accumulated")
     for name, weight in big["weights"].items():
         torch.testing.assert_close(accumulated["weights"][name], weight, rtol=0, atol=1e-6, msg=name)
-    assert [r["step"] for r in accumulated["reports"] if "train/loss" in r] == [r["step"] for r in big["reports"]
-                                                                               if "train/loss" in r]
+    assert [r.step for r in accumulated["reports"] if "train/loss" in r.metrics] == \
+        [r.step for r in big["reports"] if "train/loss" in r.metrics]
     initial = built(load_job(write_job(small_job(precision={"preset": "O0"}), "initial.yaml"))).precision
     assert any(not torch.equal(initial.fp32_state_dict()[k], w) for k, w in big["weights"].items())
 
@@ -102,10 +103,10 @@ def test_early_stopping_ends_the_run_at_the_first_evaluation_past_its_patience(w
                                        run={"epochs": 6, "max_steps_per_epoch": 2,
                                             "early_stopping": {"metric": "eval/loss", "patience": 2}})))
     reports = spawn(OmegaConf.to_container(cfg, resolve=True), world_size=1, directory=tmp_path / "run")["reports"]
-    evaluated = [r for r in reports if "eval/loss" in r]
-    assert [r["epoch"] for r in evaluated] == [1, 2, 3]
-    assert evaluated[-1]["tags"]["early_stopped_at_epoch"] == "3"
-    assert all(r["optim/lr"] == 0.0 for r in reports if "step" in r)
+    evaluated = [r for r in reports if "eval/loss" in r.metrics]
+    assert [r.epoch for r in evaluated] == [1, 2, 3]
+    assert evaluated[-1].tags["early_stopped_at_epoch"] == "3"
+    assert reports and all(r.metrics["optim/lr"] == 0.0 for r in reports)
 
 
 def test_early_stopping_counts_evaluations_without_an_improvement_beyond_min_delta():
@@ -125,7 +126,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step_and_updates_the_loss_s
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from orchestrator.train.step import accumulated_step
+    from orchestrator.train.step import Step, accumulated_step
 
     cfg = load_job(write_job(small_job(precision={"preset": "O1"}, scaling={"num_workers": 1},
                                        run={"batch_size": 8, "accumulate_steps": 4})))
@@ -147,7 +148,9 @@ def test_accumulation_all_reduces_once_per_optimizer_step_and_updates_the_loss_s
         train_loader, _, position = build_rank_loaders(cfg, 0, 1, CPU)
         position.set_position(0, 0, cfg.run.batch_size)
         batches = iter(train_loader)
-        _, outcome = accumulated_step(training, [next(batches) for _ in range(4)], CPU, step=1)
+        step = Step(number=1, epoch=0, index=0, batches=[next(batches) for _ in range(4)])
+        accumulated_step(training, step, CPU)
+        outcome = step.outcome
         buckets = sorted(set(all_reduces))
         assert all_reduces == buckets, f"gradients all-reduced more than once in one optimizer step: {all_reduces}"
         assert outcome.stepped

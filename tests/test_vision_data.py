@@ -49,7 +49,7 @@ def test_an_image_folder_of_1x28x28_trains_a_one_channel_model_logged_with_that_
     cfg = folder_job(write_job, folder)
     preflight([cfg], tmp_path / "job.yaml", None)  # the model takes the data
     reports = spawn(OmegaConf.to_container(cfg, resolve=True), world_size=1, directory=tmp_path / "run")["reports"]
-    assert any("eval/accuracy" in r for r in reports)
+    assert any("eval/accuracy" in r.metrics for r in reports)
     final = sorted((tmp_path / "run" / "checkpoints").glob("checkpoint_0*"))[-1]
     state, _ = load_newest_valid(local_candidates(tmp_path / "run" / "checkpoints"), rank=0)
     assert state.sample_shape == [1, 28, 28] and state.model["features.0.weight"].shape[1] == 1

@@ -103,6 +103,12 @@ def _stdlib_dirs() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
     return tuple(stdlib), tuple(packages)
 
 
+def is_installed(file: Path) -> bool:
+    """Whether `file` belongs to an installed package (site-packages) or the standard library."""
+    stdlib, packages = _stdlib_dirs()
+    return any(file.is_relative_to(p) for p in (*packages, *stdlib))
+
+
 def _is_stdlib_file(file: Path) -> bool:
     stdlib, packages = _stdlib_dirs()
     if any(file.is_relative_to(p) for p in packages):

@@ -78,6 +78,10 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         raise BadInput(f"{source}: {where}: {first_line}. Fix the value's type (see orchestrator/config/schema.py).") from None
 
 
+LIST_SECTIONS = ("callbacks",)
+"""Top-level sections that are lists, not mappings of keys."""
+
+
 def _check_sections(data: dict, source: str) -> None:
     sections = list(JobConfig.__dataclass_fields__)
     for name, value in data.items():
@@ -86,8 +90,19 @@ def _check_sections(data: dict, source: str) -> None:
                 f"{source}: unknown section '{name}'.{_nearest(str(name), sections)} "
                 f"Allowed sections: {', '.join(sections)}."
             )
-        if value is not None and not isinstance(value, dict):
+        if name in LIST_SECTIONS:
+            if value is not None and not isinstance(value, list):
+                raise BadInput(f"{source}: '{name}' must be a list, got {value!r}.")
+        elif value is not None and not isinstance(value, dict):
             raise BadInput(f"{source}: section '{name}' must be a mapping of keys, got {value!r}.")
+
+
+def _callbacks_as_mappings(data: dict) -> dict:
+    """`callbacks` entries written as a bare import path (`pkg.mod:Class`) as `{name: pkg.mod:Class}`."""
+    if isinstance(data.get("callbacks"), list):
+        data = {**data, "callbacks": [{"name": entry} if isinstance(entry, str) else entry
+                                      for entry in data["callbacks"]]}
+    return data
 
 
 def parse_overrides(overrides: Iterable[str]) -> DictConfig:
@@ -136,8 +151,10 @@ def load_job(path: str | Path, overrides: Iterable[str] = (), base_dir: Optional
     path = Path(path)
     job = load_yaml_mapping(path)
     _check_sections(job, str(path))
-    cli = parse_overrides(overrides)
-    _check_sections(OmegaConf.to_container(cli), "command line")
+    job = _callbacks_as_mappings(job)
+    cli = OmegaConf.to_container(parse_overrides(overrides))
+    _check_sections(cli, "command line")
+    cli = _callbacks_as_mappings(cli)
 
     cfg = _schema()
     preset: Optional[str] = OmegaConf.select(OmegaConf.merge(job, cli), "precision.preset")

@@ -69,3 +69,28 @@ def check_task(task) -> None:
         elif task.loss in ("mse", "bce_with_logits"):
             raise BadInput(f"task.metrics: '{name}' needs class scores, but task.loss is '{task.loss}'. Drop it "
                            "from task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")
+
+
+CALLBACK_METHODS = ("setup", "before_step", "after_backward", "after_step", "end_epoch", "collect", "on_checkpoint",
+                    "state_dict", "load_state_dict", "teardown")
+"""The training loop's hook methods (`orchestrator.train.hooks`): a callback has at least one of them."""
+
+
+def check_callbacks(callbacks) -> None:
+    """Each callback resolves to a class (or factory) of the user's, has at least one hook method, and takes its
+    kwargs (checked against its signature; nothing is called)."""
+    import inspect
+
+    for index, spec in enumerate(callbacks):
+        where = f"callbacks[{index}]"
+        target = resolve_import_path(spec.name, f"{where}.name", kind="callback")
+        if inspect.isclass(target) and not any(callable(getattr(target, m, None)) for m in CALLBACK_METHODS):
+            raise BadInput(f"{where}.name: {spec.name} has none of the training loop's hook methods "
+                           f"({', '.join(CALLBACK_METHODS)}): it would never run. Give it at least one.")
+        try:
+            inspect.signature(target).bind(**spec.kwargs)
+        except TypeError as exc:
+            raise BadInput(f"{where}.kwargs: {spec.name} does not take {dict(spec.kwargs)} ({exc}). Fix the "
+                           "callback's kwargs.") from None
+        except ValueError:  # no signature to check (a builtin): the call will tell
+            pass

@@ -96,7 +96,7 @@ def render(width: int = 100) -> str:
     out, section = ["config keys (job file sections, or key=value on the command line):"], None
     docs = section_docs()
     for key in keys():
-        top = key.name.split(".", 1)[0]
+        top = key.name.split(".", 1)[0].removesuffix("[]")  # `callbacks[].name` belongs to `callbacks`
         if top != section:
             section = top
             out.append(f"\n  {top}: {docs[top]}")

@@ -177,25 +177,13 @@ class ExportSection:
 
 
 @dataclass
-class FaultsSection:
-    """Deliberate failures for tests and drills; all off by default. Steps are global steps, from 1."""
-
-    overflow_at_steps: List[int] = field(default_factory=list)
-    """Steps whose gradients get an inf written into them after backward (a fake fp16 overflow)."""
-    overflow_layer: Optional[str] = None
-    """Qualified name of the layer whose gradient gets the inf; null: the model's last layer with parameters."""
-    overflow_rank: Optional[int] = None
-    """Only this rank's gradient gets the inf (the ranks then disagree); null: every rank."""
-    nan_loss_at_step: Optional[int] = None
-    """The step whose loss is made NaN on every rank (a forward pass that is not finite)."""
-    kill_rank: Optional[int] = None
-    """This rank's process dies (`os._exit`, no cleanup) at the start of step `at_step`."""
-    at_step: Optional[int] = None
-    """The step at whose start `kill_rank` dies."""
-    once: bool = True
-    """Kill only on the first attempt, not again after Ray restarts the worker group (a marker in storage)."""
-    disk_full_at_step: Optional[int] = None
-    """Ray's copy of this step's checkpoint to storage fails part-way with ENOSPC on every rank (a disk filling up)."""
+class CallbackSection:
+    name: str = MISSING
+    """Import path `package.module:Class` of an object with any of the training loop's hook methods
+    (`setup`, `before_step`, `after_backward`, `after_step`, `end_epoch`, `collect`, `on_checkpoint`,
+    `state_dict`/`load_state_dict`, `teardown`; see docs/own-code.md)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for its constructor."""
 
 
 @dataclass
@@ -359,5 +347,6 @@ class JobConfig:
     """How many worker failures are retried."""
     export: ExportSection = field(default_factory=ExportSection)
     """Half-precision export of the trained model for deployment."""
-    faults: FaultsSection = field(default_factory=FaultsSection)
-    """Fault injection for tests and drills (off by default)."""
+    callbacks: List[CallbackSection] = field(default_factory=list)
+    """Your own code at points of training, run on every rank (or rank 0 alone, as a callback declares), after
+    the built-in hooks: `package.module:Class` or `{name: package.module:Class, kwargs: {...}}`."""

@@ -77,6 +77,7 @@ def validate(cfg: DictConfig, source: str) -> None:
         names.check_dataset_name(cfg.data.name)
         names.check_model_name(cfg.model.name)
         names.check_task(cfg.task)
+        names.check_callbacks(cfg.callbacks)
     except BadInput as exc:
         raise BadInput(f"{source}: {exc}") from None
 
@@ -88,20 +89,6 @@ def validate(cfg: DictConfig, source: str) -> None:
       "precision.scaler.min_scale", f"must be a finite number >= 0, or null to disable, got {guard.min_scale}.")
     r(guard.max_consecutive_skips is None or guard.max_consecutive_skips >= 0,
       "precision.scaler.max_consecutive_skips", "must be >= 0, or null to disable.")
-    faults = cfg.faults
-    r(all(step >= 1 for step in faults.overflow_at_steps), "faults.overflow_at_steps",
-      "steps are global optimizer steps counted from 1.")
-    r(faults.overflow_rank is None or 0 <= faults.overflow_rank < cfg.scaling.num_workers, "faults.overflow_rank",
-      f"must be a rank in 0..{cfg.scaling.num_workers - 1}, or null for every rank.")
-    r(faults.nan_loss_at_step is None or faults.nan_loss_at_step >= 1, "faults.nan_loss_at_step",
-      "steps are global optimizer steps counted from 1.")
-    r(faults.kill_rank is None or 0 <= faults.kill_rank < cfg.scaling.num_workers, "faults.kill_rank",
-      f"must be a rank in 0..{cfg.scaling.num_workers - 1}, or null.")
-    r((faults.kill_rank is None) == (faults.at_step is None), "faults.at_step",
-      "faults.kill_rank and faults.at_step go together: set both (or neither).")
-    r(faults.at_step is None or faults.at_step >= 1, "faults.at_step", "steps are global optimizer steps counted from 1.")
-    r(faults.disk_full_at_step is None or faults.disk_full_at_step >= 1, "faults.disk_full_at_step",
-      "steps are global optimizer steps counted from 1.")
     clip = cfg.optim.clip_grad_norm
     r(clip is None or (math.isfinite(clip) and clip > 0), "optim.clip_grad_norm",
       f"must be a finite number > 0, or null for no clipping, got {clip}.")

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from orchestrator import console
 from orchestrator.train import models
+from orchestrator.train.report import Report
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted
 from orchestrator.runner.preflight import RunChoice
@@ -341,12 +342,13 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
         end.close("FINISHED")
         print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
               f"Checkpoints: {result.path}", file=sys.stderr)
-        plan.result = RunResult(None, "FINISHED", dict(result.metrics or {}), str(result.path), None)
+        plan.result = RunResult(None, "FINISHED", Report.from_wire(result.metrics or {}).metrics, str(result.path),
+                                None)
         return EXIT_OK
     model_uri, exit_code = outputs.log_outputs(cfg, result, tracker, module_sources)
     end.close("FINISHED")
 
-    final = {**{k: v for k, v in (result.metrics or {}).items() if "/" in k}, **tracker.latest_metrics()}
+    final = {**Report.from_wire(result.metrics or {}).metrics, **tracker.latest_metrics()}
     print(f"\nRun finished: {tracker.run_id}")
     evaluated = sorted(key for key in final if key.startswith("eval/"))  # eval/loss and every task.metrics
     for key in (*evaluated, "train/loss", "amp/loss_scale", "amp/skipped_steps", "perf/samples_per_s"):

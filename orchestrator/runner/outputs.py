@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.train import models
+from orchestrator.train.report import Report
 
 
 def log_outputs(cfg: DictConfig, result, tracker, module_sources: Sequence[Path] = ()) -> tuple[Optional[str], int]:
@@ -56,15 +57,16 @@ def chosen_checkpoint(cfg: DictConfig, result, tracker):
     metric = cfg.checkpoint.score_metric
     if metric is None:
         return result.checkpoint
-    scored = [(c, m) for c, m in (result.best_checkpoints or []) if isinstance(m.get(metric), (int, float))
-              and not math.isnan(m[metric])]
+    reports = [(c, Report.from_wire(m)) for c, m in (result.best_checkpoints or [])]
+    scored = [(c, r) for c, r in reports if isinstance(r.metrics.get(metric), (int, float))
+              and not math.isnan(r.metrics[metric])]
     if not scored:
         print(f"warning: no checkpoint reported {metric} (checkpoint.score_metric); the final one is logged.",
               file=sys.stderr)
         return result.checkpoint
     pick = max if cfg.checkpoint.score_mode == "max" else min
-    checkpoint, metrics = pick(scored, key=lambda pair: pair[1][metric])
-    tracker.set_tags({"best_checkpoint_step": str(int(metrics["step"])), "best_checkpoint_score": str(metrics[metric])})
+    checkpoint, report = pick(scored, key=lambda pair: pair[1].metrics[metric])
+    tracker.set_tags({"best_checkpoint_step": str(report.step), "best_checkpoint_score": str(report.metrics[metric])})
     return checkpoint
 
 

@@ -2,9 +2,8 @@
 before Ray starts, an MLflow run exists or anything reaches a cluster.
 
 In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
-also describes the data for the run's MLflow dataset inputs), the precision lint, the `faults` section fits
-the model, this machine can hold the workers, and which run it is (a new name that is not
-taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
+also describes the data for the run's MLflow dataset inputs), the precision lint, this machine can hold the
+workers, and which run it is (a new name that is not taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -54,7 +53,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     `configs`: the job's resolved config, or a sweep's, one per point of its grid (the first is the base).
     """
     from orchestrator.runner.remote import is_job_server_address
-    from orchestrator.train import data, faults, models
+    from orchestrator.train import data, models
 
     to_job_server = is_job_server_address(address)
     built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
@@ -68,7 +67,6 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
             built[what] = models.build_model(cfg.model)  # a broken model fails here, before Ray starts
             if not to_job_server:
                 lineage[repr(cfg.data)], evaluated[what] = check_data_fits_model(cfg, built[what])
-            faults.check(cfg.faults, built[what])
         if what in evaluated:
             check_metric_names(cfg, evaluated[what])
         check_lint(cfg, built[what])

@@ -16,24 +16,23 @@ from typing import Any, TextIO
 import ray
 from ray.train import UserCallback
 
-from orchestrator.train.step import OVERFLOW_LOG  # noqa: F401  (every rank's skipped-step records)
-from orchestrator.train.system import SYSTEM_SAMPLES
+from orchestrator.train.report import Report
 
 
 @ray.remote(num_cpus=0)
 class ReportRelay:
     def __init__(self) -> None:
-        self.queue: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+        self.queue: list[Report] = []
         self.lines: list[str] = []
 
-    def push(self, report: dict[str, Any], overflow_records: list[dict[str, Any]]) -> None:
-        self.queue.append((report, overflow_records))
+    def push(self, report: Report) -> None:
+        self.queue.append(report)
 
     def write(self, lines: list[str]) -> None:
         """Lines the user's code printed on a worker (`RankOutput`), already prefixed by rank."""
         self.lines.extend(lines)
 
-    def take(self) -> tuple[list[tuple[dict[str, Any], list[dict[str, Any]]]], list[str]]:
+    def take(self) -> tuple[list[Report], list[str]]:
         """(the reports, the printed lines) since the last call."""
         queue, lines, self.queue, self.lines = self.queue, self.lines, [], []
         return queue, lines
@@ -91,21 +90,11 @@ def forwarded_output(relay, rank: int, which: str):
 
 
 class RelayCallback(UserCallback):
-    """Forwards rank 0's report (metrics already reduced over all ranks), with every rank's system samples, and
-    every rank's overflow records."""
+    """Forwards each report merged over the ranks: rank 0's (its metrics are already reduced over all ranks)
+    with every rank's system samples and overflow records."""
 
     def __init__(self, relay):
         self.relay = relay
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self.relay.push.remote(*merge_ranks(metrics))
-
-
-def merge_ranks(metrics: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(rank 0's report with all ranks' system samples, all ranks' overflow records) from each rank's report."""
-    overflow = [record for rank_metrics in metrics for record in rank_metrics.get(OVERFLOW_LOG, [])]
-    report = {k: v for k, v in metrics[0].items() if k not in (OVERFLOW_LOG, SYSTEM_SAMPLES)}
-    samples = [sample for rank_metrics in metrics for sample in rank_metrics.get(SYSTEM_SAMPLES, [])]
-    if samples:
-        report[SYSTEM_SAMPLES] = samples
-    return report, overflow
+        self.relay.push.remote(Report.merged([Report.from_wire(wire) for wire in metrics]))

@@ -19,13 +19,12 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from orchestrator.tracking.relay import OVERFLOW_LOG, SYSTEM_SAMPLES
+from orchestrator.train.report import Report
 
 logger = logging.getLogger("ampflow.tracking")
 
-CONTROL_KEYS = {"epoch", "epochs", "step", "total_steps", "tags", "warnings", "seq", "replay", SYSTEM_SAMPLES}
-"""Keys of a report that are bookkeeping (progress line, tags, warnings, numbering, reports sent again, the
-ranks' system samples, logged each at its own time), not metrics."""
+OVERFLOW_LOG = "amp/overflow_log.json"
+"""The artifact holding every rank's skipped-step records, merged."""
 
 LOGGED_EVERY_S = 2.0
 """How often, at most, the writer tells storage how far it has logged (`on_logged`)."""
@@ -72,7 +71,7 @@ class MlflowWriter:
     def resume_from_run(self) -> None:
         """Continue a run: its metrics' last steps and its overflow log, so nothing is logged twice."""
         self.last_step, self.last_time = self.tracker.metric_ends()
-        self.overflow_log = self.tracker.load_json(f"{OVERFLOW_LOG}.json") or []
+        self.overflow_log = self.tracker.load_json(OVERFLOW_LOG) or []
 
     def start(self) -> "MlflowWriter":
         self._thread.start()
@@ -121,36 +120,34 @@ class MlflowWriter:
 
     def _drain(self) -> None:
         reports, lines = ray.get(self.relay.take.remote(), timeout=30)
-        for report, overflow in reports:
-            self.enqueue(report, overflow)
+        for report in reports:
+            self.enqueue(report)
         self.printed.extend(lines)
 
     def take_printed(self) -> list[str]:
         """The lines the workers printed (`run.worker_output`) since the last call: the console shows them."""
         return [self.printed.popleft() for _ in range(len(self.printed))]
 
-    def enqueue(self, report: dict[str, Any], overflow: list[dict[str, Any]]) -> None:
-        for resent in report.get("replay", []):  # a resumed run's reports the previous driver may have lost
-            self.enqueue(resent, [])
+    def enqueue(self, report: Report) -> None:
+        for resent in report.replay:  # a resumed run's reports the previous driver may have lost
+            self.enqueue(resent)
         timestamp = int(time.time() * 1000)
-        self.newest = {**self.newest, **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
-        metrics = {key: float(value) for key, value in report.items()
-                   if key not in CONTROL_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)}
-        self.pending.append(("metrics", (int(report["step"]), timestamp, metrics)))
-        for sample in report.get(SYSTEM_SAMPLES, []):
+        self.newest = {**self.newest, **report.progress()}
+        metrics = {key: float(value) for key, value in report.metrics.items()}
+        self.pending.append(("metrics", (report.step, timestamp, metrics)))
+        for sample in report.system_samples:
             self.pending.append(("system", (int(sample["step"]), int(sample["t"]), sample["m"])))
-        if report.get("tags"):
-            self.pending.append(("tags", report["tags"]))
-        for key, value in report.items():
-            if key not in CONTROL_KEYS and isinstance(value, (list, dict)):
-                self.pending.append(("json", (f"{key}.json", value)))
-        if overflow:
-            self.pending.append(("overflow", overflow))
-        for warning in report.get("warnings", []):
+        if report.tags:
+            self.pending.append(("tags", report.tags))
+        for name, value in report.tables.items():
+            self.pending.append(("json", (f"{name}.json", value)))
+        if report.overflow_records:
+            self.pending.append(("overflow", report.overflow_records))
+        for warning in report.warnings:
             print(f"warning: {warning}", file=sys.stderr)
             self.pending.append(("tags", {"warning.resume": warning}))
         # Last: the report counts as logged (and the workers may drop it) only once all of its records are in.
-        self.pending.append(("logged", int(report.get("seq", 0))))
+        self.pending.append(("logged", report.seq))
 
     # -- records -> MLflow ------------------------------------------------------------------------
 
@@ -204,5 +201,5 @@ class MlflowWriter:
             if not fresh:  # all sent again by a resumed run, and logged already
                 return
             merged = sorted(self.overflow_log + fresh, key=lambda r: (r["step"], r.get("rank", -1)))
-            self.tracker.log_dict(merged, f"{OVERFLOW_LOG}.json")
+            self.tracker.log_dict(merged, OVERFLOW_LOG)
             self.overflow_log = merged

@@ -1,6 +1,6 @@
 """The training loop in plain processes, without Ray: for tests, benchmarks and machines without Ray.
 
-`LocalSession` keeps reports in memory and checkpoints in a local directory (each rank adds its files
+`LocalSession` keeps reports in memory (as `Report`s) and checkpoints in a local directory (each rank adds its files
 to `<directory>/<checkpoint name>`, as Ray Train's storage does). `spawn()` runs a job on `world_size`
 processes of `torch.multiprocessing` joined by gloo (or NCCL on GPUs) through a file rendezvous, and
 returns rank 0's reports and final fp32 weights.
@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from orchestrator.train.checkpoint import Candidate, local_candidates
 from orchestrator.train.memory import allocator_env
+from orchestrator.train.report import Report
 
 
 class LocalSession:
     def __init__(self, rank: int, world_size: int, device: torch.device, directory: Path):
         self.rank, self.world_size, self.device, self.directory = rank, world_size, device, Path(directory)
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[Report] = []
 
     def report(self, metrics: dict[str, Any], checkpoint: Optional[Path] = None,
                checkpoint_name: Optional[str] = None) -> None:
@@ -31,13 +32,10 @@ class LocalSession:
             shutil.copytree(checkpoint, self.directory / checkpoint_name, dirs_exist_ok=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # as ray.train.report: a checkpoint is complete on every rank before anyone goes on
-        self.reports.append(metrics)
+        self.reports.append(Report.from_wire(metrics))
 
     def checkpoints(self) -> list[Candidate]:
         return local_candidates(self.directory)
-
-    def fault_marker_dir(self) -> None:
-        return None
 
     def logged_through(self) -> None:
         return None  # the reports stay in this process: no driver can lose them
@@ -71,7 +69,8 @@ def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, 
         session = LocalSession(rank, world_size, device, Path(directory) / "checkpoints")
         training = TrainingLoop(cfg, session).run()
         if rank == 0:
-            torch.save({"reports": session.reports, "weights": training.precision.fp32_state_dict()}, result)
+            torch.save({"reports": [report.to_wire() for report in session.reports],
+                        "weights": training.precision.fp32_state_dict()}, result)
     finally:
         dist.destroy_process_group()
     exit_rank()
@@ -102,4 +101,5 @@ def spawn(job: dict[str, Any], world_size: int, directory: Path) -> dict[str, An
     result = directory / "rank0.pt"
     with environment(allocator_env(job["perf"]["keep_freed_memory"])):
         mp.spawn(_rank_main, args=(job, world_size, str(directory), str(result)), nprocs=world_size, join=True)
-    return torch.load(result, weights_only=False)
+    outcome = torch.load(result, weights_only=True)
+    return {**outcome, "reports": [Report.from_wire(wire) for wire in outcome["reports"]]}

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from orchestrator.config.imports import import_module_from_cwd, is_import_path, resolve_import_path
+from orchestrator.config.imports import import_module_from_cwd, is_import_path, is_installed, resolve_import_path
 from orchestrator.config.names import check_model_name
 from orchestrator.errors import BadInput
 
@@ -113,20 +113,25 @@ def build_model(model_cfg) -> nn.Module:
 def module_source(name: str, where: str = "model.name") -> Path | None:
     """The file or package directory to ship to workers for an import path (`name`).
 
-    None for registry names and for modules installed in the environment (workers have those).
+    None for registry names, for modules installed in the environment and for ampflow's own (workers have
+    those). A module found elsewhere (the submit directory, or any directory on the driver's sys.path) is the
+    user's code, and goes with the job.
     """
     if not is_import_path(name):
         return None
     top = name.partition(":")[0].split(".")[0]
+    if top == "orchestrator":
+        return None
     module = import_module_from_cwd(top, where)
     file = Path(module.__file__ or "").resolve()
-    source = file.parent if file.name == "__init__.py" else file
-    return source if source.is_relative_to(Path.cwd().resolve()) else None
+    return None if is_installed(file) else (file.parent if file.name == "__init__.py" else file)
 
 
 def module_sources(cfg) -> list[Path]:
-    """Every module of the user's own code a job names by import path (model, data, loss, metrics), once."""
+    """Every module of the user's own code a job names by import path (model, data, loss, metrics, callbacks),
+    once."""
     named = [(cfg.model.name, "model.name"), (cfg.data.name, "data.name"), (cfg.task.loss, "task.loss"),
-             *((metric, "task.metrics") for metric in cfg.task.metrics)]
+             *((metric, "task.metrics") for metric in cfg.task.metrics),
+             *((callback.name, f"callbacks[{index}].name") for index, callback in enumerate(cfg.callbacks))]
     sources = (module_source(name, where) for name, where in named)
     return list(dict.fromkeys(source for source in sources if source is not None))

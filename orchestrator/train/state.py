@@ -12,9 +12,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-FORMAT = 2
-"""Written into train_state.pt. 1 (no `format` key): checkpoints written before the state was typed;
-they hold the same fields and load unchanged."""
+FORMAT = 3
+"""Written into train_state.pt. 1 (no `format` key): checkpoints written before the state was typed; 2: before
+reports were typed (`report` and a rank's `unlogged` reports were flat dicts). Both load, converted."""
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -23,14 +23,13 @@ class IncompatibleCheckpoint(ValueError):
 
 @dataclass
 class RankState:
-    """One rank's own part: its RNG states, its loss window not reported yet, and its reports the driver may
-    not have logged yet."""
+    """One rank's own part: its RNG states, its loss window not reported yet, and its hooks' states (among them
+    the reports the driver may not have logged yet, `orchestrator.train.hooks.outbox`)."""
 
     rng: dict[str, Any]
     window: dict[str, float]
-    unlogged: list[dict[str, Any]] = field(default_factory=list)
-    """Reports since the last one the driver had logged for sure (numbered by `seq`): a resumed run sends them
-    again, so a driver that died holding them loses nothing (the writer drops what MLflow already has)."""
+    hooks: dict[str, Any] = field(default_factory=dict)
+    """Each hook's `state_dict()`, by hook name."""
 
 
 @dataclass
@@ -58,7 +57,8 @@ class TrainState:
     run_id: Optional[str] = None
     """The MLflow run the state belongs to."""
     report: dict[str, Any] = field(default_factory=dict)
-    """The metrics reported with the checkpoint (sent again on resume; logged once)."""
+    """The report made with the checkpoint, its metrics only, in wire form (`Report.to_wire`): sent again on
+    resume, logged once."""
     report_seq: int = 0
     """How many reports the run had made when the checkpoint was taken (reports are numbered from 1)."""
     early_stopping: dict[str, Any] = field(default_factory=dict)
@@ -89,7 +89,12 @@ class TrainState:
             if not {"rng", "window"} <= own.keys():
                 raise IncompatibleCheckpoint("a rank's part lacks its RNG states or loss window. Start the job afresh "
                                              "(without --resume).")
-            rank = RankState(own["rng"], own["window"], own.get("unlogged", []))
+            hooks = own.get("hooks", {})
+            if version < 3:
+                hooks = {"replay": {"unlogged": [flat_report_to_wire(kept) for kept in own.get("unlogged", [])]}}
+            rank = RankState(own["rng"], own["window"], hooks)
+        if version < 3 and "report" in values:
+            values["report"] = flat_report_to_wire(values["report"])
         return cls(**values, rank=rank)
 
     def at(self, *, epoch: int, batches_done: int, global_step: int, precision: dict[str, Any],
@@ -118,3 +123,23 @@ def _detached(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_detached(item) for item in value)
     return value
+
+
+_PLACE = ("seq", "step", "epoch", "epochs", "total_steps")
+_FLAT_RECORDS = {"amp/overflow_log": "overflow_records", "system_samples": "system_samples"}
+
+
+def flat_report_to_wire(flat: dict[str, Any]) -> dict[str, Any]:
+    """A report as checkpoints of format 1 and 2 kept it (one flat dict of metrics and control keys), in the
+    wire form of `orchestrator.train.report.Report`."""
+    wire: dict[str, Any] = {key: int(flat[key]) for key in _PLACE if key in flat}
+    wire["metrics"] = {key: value for key, value in flat.items() if key not in _PLACE
+                       and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    wire["tags"] = dict(flat.get("tags", {}))
+    wire["warnings"] = list(flat.get("warnings", []))
+    wire["replay"] = [flat_report_to_wire(report) for report in flat.get("replay", [])]
+    for key, field_name in _FLAT_RECORDS.items():
+        wire[field_name] = list(flat.get(key, []))
+    wire["tables"] = {key: value for key, value in flat.items() if isinstance(value, (list, dict))
+                      and key not in ("tags", "warnings", "replay", *_FLAT_RECORDS)}
+    return wire

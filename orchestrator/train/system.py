@@ -1,8 +1,9 @@
 """Per-rank system metrics, sampled off the training thread and sent with the rank's next report.
 
 A daemon thread samples the rank's process (CPU %, resident memory) and, on CUDA, its GPU (utilisation,
-memory used, power; NVML through `torch.cuda`) every `tracking.system_metrics_interval_s`. The loop takes
-the samples at each report (`take`), every rank alike; the controller's relay callback gathers all ranks'
+memory used, power; NVML through `torch.cuda`) every `tracking.system_metrics_interval_s`. The loop's
+system-metrics hook (`orchestrator.train.hooks.system`) takes the samples at each report (`take`) into the
+report's `system_samples`, every rank alike; the controller's relay callback gathers all ranks'
 and the driver logs each sample at its own time. Names follow MLflow's system metrics with the rank as
 the node (`system/rank_1/cpu_utilization_percentage`), so MLflow's System metrics tab shows them.
 
@@ -18,10 +19,6 @@ from typing import Any, Optional
 import torch
 
 logger = logging.getLogger("ampflow.system")
-
-SYSTEM_SAMPLES = "system_samples"
-"""The report key holding the samples taken since the previous report: [{"t": ms, "step": int, "m": {name: v}}]."""
-
 
 def metric_prefix(rank: int) -> str:
     return f"system/rank_{rank}/"

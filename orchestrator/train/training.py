@@ -1,7 +1,8 @@
 """What one training step mutates, built together and captured together.
 
 `build_training()` turns a job config and (optionally) a `TrainState` into the model under its
-precision (DDP-wrapped when asked), the optimizer, the LR schedule and the `Precision` object.
+precision (wrapped for data parallelism, `orchestrator.train.ddp`), the optimizer, the LR schedule and the
+`Precision` object.
 `Training.capture()` turns them back into a `TrainState`. Resume, rollback and promotion are all
 "capture (or load) a state, then build from it".
 """
@@ -18,11 +19,10 @@ from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm
+from orchestrator.train.ddp import Wrap, ddp_wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler
 from orchestrator.train.state import TrainState
 
-Wrap = Callable[[nn.Module], nn.Module]
-"""Wraps the prepared model for data parallelism (Ray Train's `prepare_model`, or DDP by hand)."""
 
 
 @torch.no_grad()
@@ -66,35 +66,6 @@ class PreparedModel:
         if tensor.dim() == 4 and self.memory_format != torch.contiguous_format:
             tensor = tensor.contiguous(memory_format=self.memory_format)
         return tensor
-
-
-def ddp_kwargs(ddp_cfg) -> dict[str, Any]:
-    """The `ddp` section as DistributedDataParallel arguments."""
-    return {"bucket_cap_mb": ddp_cfg.bucket_cap_mb, "gradient_as_bucket_view": ddp_cfg.gradient_as_bucket_view,
-            "static_graph": ddp_cfg.static_graph, "find_unused_parameters": ddp_cfg.find_unused_parameters}
-
-
-def register_comm_hook(model: nn.Module, hook: str) -> None:
-    """`ddp.comm_hook`: compress gradients to fp16/bf16 for the all-reduce (a no-op without DDP)."""
-    if hook == "none" or not isinstance(model, nn.parallel.DistributedDataParallel):
-        return
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    compress = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[hook]
-    model.register_comm_hook(state=None, hook=compress)
-
-
-def ddp_wrap(cfg) -> Wrap:
-    """torch's DistributedDataParallel with the job's `ddp` knobs; a single process is left unwrapped
-    (as Ray Train's prepare_model does)."""
-    def wrap(model: nn.Module) -> nn.Module:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return model
-        wrapped = nn.parallel.DistributedDataParallel(model, **ddp_kwargs(cfg.ddp))
-        register_comm_hook(wrapped, cfg.ddp.comm_hook)
-        return wrapped
-
-    return wrap
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""Memory in the reports: bytes by dtype and category (`memory/<category>/<dtype>`, `memory/breakdown`) once
+the first step has measured them, and every epoch the peaks of every rank."""
+
+from typing import Any, Optional
+
+import torch
+
+from orchestrator.train.collectives import per_rank
+from orchestrator.train.hooks import Hook
+from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
+
+
+class MemoryReport(Hook):
+    """The memory ledger's table and metrics with the report after the first complete step; each epoch's
+    report adds `memory/peak_bytes` (max over ranks: a collective, every rank makes it), the per-rank peaks
+    and `memory/params_bytes`."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.table: Optional[list[dict[str, Any]]] = None
+
+    def after_step(self, loop, step) -> None:
+        table = loop.training.precision.ledger.take_table()  # once the optimizer has stepped
+        if table is not None:
+            self.table = table
+
+    def end_epoch(self, loop, report) -> None:
+        report.metrics.update(memory_peaks(loop.rank, loop.world_size, loop.device))
+        report.metrics.update({"memory/params_bytes": float(loop.training.prepared.params_bytes),
+                               **loop.training.precision.ledger.metrics()})
+
+    def collect(self, loop, report) -> None:
+        if self.table is not None:
+            report.tables["memory/breakdown"], self.table = self.table, None
+            report.metrics.update(loop.training.precision.ledger.metrics())
+
+
+def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:
+    """`memory/peak_bytes` (max over ranks) and `memory/peak_bytes/rank<r>` (and CUDA reserved)."""
+    peaks = per_rank(float(peak_bytes(device)), rank, world_size, device)
+    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/peak_bytes/rank{r}": p for r, p in enumerate(peaks)}}
+    reserved = peak_reserved_bytes(device)
+    if reserved is not None:
+        reserved_peaks = per_rank(float(reserved), rank, world_size, device)
+        metrics.update({f"memory/peak_reserved_bytes/rank{r}": p for r, p in enumerate(reserved_peaks)})
+    return metrics

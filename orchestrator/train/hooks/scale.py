@@ -1,0 +1,18 @@
+"""The loss scale's telemetry: `amp/*` metrics with every report, and the overflow records since the last."""
+
+from orchestrator.train.hooks import Hook
+
+
+class LossScaleTelemetry(Hook):
+    """`amp/loss_scale`, `amp/skipped_steps`, ... with every report; `amp/skip_rate` with the epoch's; every
+    skipped step's record (`amp/overflow_log.json`) with the report after it."""
+
+    name = "loss_scale"
+
+    def collect(self, loop, report) -> None:
+        guard = loop.training.precision.guard
+        report.metrics.update(guard.metrics())
+        report.overflow_records.extend(guard.drain_overflow_log())
+
+    def end_epoch(self, loop, report) -> None:
+        report.metrics.update(loop.training.precision.guard.end_epoch())

@@ -1,0 +1,83 @@
+"""Deliberate failures, as hooks of the training loop: the reliability tests' drills.
+
+A test names them in a job's `callbacks` (`{name: "drills:KillRank", kwargs: {...}}`); the workers import
+this module like any user code (it is shipped with the job). Steps are global optimizer steps, from 1.
+
+- `Overflow`: after backward, an inf in one layer's gradient (on every rank, or on `rank` only): what an fp16
+  overflow looks like to the GradScaler.
+- `NanLoss`: the loss of a step is NaN on every rank (a forward pass that is not finite).
+- `KillRank`: a rank's process dies with `os._exit` at the start of a step, as a preempted node or an OOM
+  kill would: no exception, no cleanup. With a `marker` file, only once (a restarted worker group lives).
+- `DiskFull`: the copy of a checkpoint to storage fails part-way with ENOSPC on every rank, as a disk
+  filling up does (each rank's file in the checkpoint's storage directory is a link to /dev/full).
+"""
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+
+def layers_with_params(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if any(True for _ in module.parameters(recurse=False))]
+
+
+class Overflow:
+    def __init__(self, at_steps: Sequence[int], layer: Optional[str] = None, rank: Optional[int] = None):
+        """`layer`: the qualified name of the layer whose gradient gets the inf (default: the last layer with
+        parameters, where backward starts); `rank`: only this rank's gradient (the ranks then disagree)."""
+        self.at_steps, self.layer, self.rank = set(at_steps), layer, rank
+
+    def setup(self, loop) -> None:
+        layers = layers_with_params(loop.training.prepared.raw)
+        if self.layer is not None and self.layer not in layers:
+            raise ValueError(f"drill Overflow: '{self.layer}' is not a layer with parameters; layers: {layers}")
+
+    @torch.no_grad()
+    def after_backward(self, loop, step) -> None:
+        if step.number not in self.at_steps or self.rank not in (None, loop.rank):
+            return
+        for name, tensor in reversed(loop.training.precision.named_tensors):  # the optimizer's view
+            if (self.layer is None or name.rpartition(".")[0] == self.layer) and tensor.grad is not None:
+                tensor.grad.view(-1)[0] = float("inf")
+                return
+
+
+class NanLoss:
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def after_backward(self, loop, step) -> None:
+        if step.number == self.at_step:
+            step.loss = step.loss * float("nan")
+
+
+class KillRank:
+    def __init__(self, rank: int, at_step: int, marker: Optional[str] = None):
+        """`marker`: a file left when the rank is killed; while it exists, the rank is not killed again."""
+        self.rank, self.at_step, self.marker = rank, at_step, marker
+
+    def before_step(self, loop, step) -> None:
+        if loop.rank != self.rank or step.number != self.at_step:
+            return
+        if self.marker is not None:
+            if Path(self.marker).exists():
+                return
+            Path(self.marker).write_text(f"rank {self.rank} killed at step {self.at_step}\n")
+        os._exit(1)
+
+
+class DiskFull:
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def on_checkpoint(self, loop, directory: Path, name: str) -> None:
+        if loop.global_step != self.at_step:
+            return
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()  # where Ray Train is about to copy this checkpoint
+        target = Path(storage.experiment_fs_path) / name
+        target.mkdir(parents=True, exist_ok=True)
+        (target / f"rank{loop.rank}.pt").symlink_to("/dev/full")
