@@ -22,6 +22,7 @@ run: $(STAMP)
 	$(PY) -m orchestrator.submit $(JOB)
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -156,3 +156,41 @@ def job_config(job: dict, overrides: Sequence[str] = ()):
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(job, sort_keys=False))
         return load_job(path, overrides, base_dir=Path(tmp))
+
+
+class LoopStepper:
+    """The worker's training loop (`orchestrator.train.loop.TrainingLoop`, one process, no Ray) stepped on batches
+    the harness chooses: `step(inputs, targets)` is exactly what the loop does per optimizer step (its hooks, the
+    schedule, the loss window, compilation once audited), `report()` what it does per report up to handing it
+    over (the window read, every hook's `collect`). Its system-metrics hook runs, sampling every
+    `tracking.system_metrics_interval_s`."""
+
+    def __init__(self, cfg, device: torch.device):
+        from orchestrator.train.local import LocalSession
+        from orchestrator.train.loop import TrainingLoop
+
+        self.directory = tempfile.TemporaryDirectory(prefix="bench-loop-")
+        session = LocalSession(0, 1, device, Path(self.directory.name))  # nothing is checkpointed
+        self.loop = TrainingLoop(cfg, session)
+        self.loop.hooks.call("setup", self.loop)
+        self.training = self.loop.training
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor):
+        from orchestrator.train.step import Step
+
+        loop = self.loop
+        loop.global_step += 1
+        return loop.train_step(Step(loop.global_step, 0, loop.global_step - 1, [(inputs, targets)]))
+
+    def report(self):
+        loop = self.loop
+        report = loop.new_report(0)
+        report.metrics.update(loop.read_window())
+        loop.seq += 1
+        report.seq = loop.seq
+        loop.hooks.call("collect", loop, report)
+        return report
+
+    def close(self) -> None:
+        self.loop.hooks.call("teardown", self.loop)
+        self.directory.cleanup()

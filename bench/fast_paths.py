@@ -1,9 +1,9 @@
 """What each fast-path switch buys: samples/s of the worker's own step with one switch on at a time.
 
 One process, no Ray, no DDP (the DDP knobs and the comm hook need several GPUs). Every candidate
-is a fresh `build_training` from the same seed under the same preset, fed by the loader its
-config asks for, stepped by the worker's `train_step` exactly as the loop does (audit and compile
-after the first step included). Candidates:
+is a fresh training loop (`orchestrator.train.loop.TrainingLoop`) from the same seed under the same
+preset, fed by the loader its config asks for, stepped by the loop's own `train_step` (its hooks, the
+audit and compile after the first step included). Candidates:
 
 - `baseline`: `data.loader: dataloader` (a DataLoader over host tensors, pinned memory), NCHW, eager,
   the optimizer's default kernels.
@@ -34,35 +34,32 @@ SWITCHES = {
 
 def samples_per_s(overrides: list[str], *, device: torch.device, model: str, preset: str, batch: int,
                   samples: int, warmup: int, steps: int, compile_backend: str) -> float:
-    from orchestrator.train.data import build_rank_loaders
-    from orchestrator.train.training import build_training
-
-    from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     cfg = common.job_config({
         "model": {"name": model}, "data": {"name": "synthetic", "synthetic_samples": samples, "augment": False},
         "precision": {"preset": preset}, "scaling": {"num_workers": 1}, "run": {"batch_size": batch},
+        "tracking": {"system_metrics_interval_s": 0},
     }, overrides + [f"perf.compile_backend={compile_backend}"])
-    torch.manual_seed(0)
-    loader, _, position = build_rank_loaders(cfg, rank=0, world_size=1, device=device)
-    training = build_training(cfg, device, total_steps=10**6)
-    window = loop.Window(device)
+    stepper = common.LoopStepper(cfg, device)  # the worker's loop, stepped on its own data loader
+    loader, position = stepper.loop.train_loader, stepper.loop.position
     sync = common.synchronize(device)
     step, epoch, started, timed = 0, 0, None, 0
-    while True:
-        position.set_position(epoch, 0, batch)
-        for inputs, targets in loader:
-            step += 1
-            loss, outcome = loop.train_step(training, inputs, targets, device, step)
-            loop.after_step(training, loss, outcome, len(targets), window, {})
-            if step == warmup:
-                sync()
-                started = time.perf_counter()
-            elif step > warmup:
-                timed += len(targets)
-                if step == warmup + steps:
+    try:
+        while True:
+            position.set_position(epoch, 0, batch)
+            for inputs, targets in loader:
+                step += 1
+                stepper.step(inputs, targets)
+                if step == warmup:
                     sync()
-                    return timed / (time.perf_counter() - started)
-        epoch += 1
+                    started = time.perf_counter()
+                elif step > warmup:
+                    timed += len(targets)
+                    if step == warmup + steps:
+                        sync()
+                        return timed / (time.perf_counter() - started)
+            epoch += 1
+    finally:
+        stepper.close()
 
 
 def main(argv=None) -> int:

@@ -132,17 +132,15 @@ class TimingSession:
         self.marks: list[float] = []
         self.first_step_s = None
 
-    def report(self, metrics, checkpoint=None, checkpoint_name=None) -> None:
+    def report(self, wire, checkpoint=None, checkpoint_name=None) -> None:
+        metrics = wire["metrics"]  # the report's wire form (`orchestrator.train.report.Report.to_wire`)
         if "train/loss" in metrics:  # a window of `log_every` steps ended
             self.marks.append(time.perf_counter())
         self.first_step_s = metrics.get("perf/time_to_first_step_s", self.first_step_s)
-        self.local.report(metrics, checkpoint, checkpoint_name)
+        self.local.report(wire, checkpoint, checkpoint_name)
 
     def checkpoints(self):
         return []
-
-    def fault_marker_dir(self):
-        return None
 
     def logged_through(self):
         return None

@@ -2,10 +2,10 @@
 
 What is compared (one process, no Ray, the same device, weights, batches and optimizer):
 
-- `policy`: the model built by `orchestrator.train.training.build_training()` under the
-  bf16-mixed preset plus rules that pin layers to float32 (default for resnet18: every BatchNorm
-  and the classifier `fc`), stepped by the worker's own `train_step` (plus the per-step
-  `after_step` the worker loop makes: audit, memory table, the loss window).
+- `policy`: the model the worker's training loop (`orchestrator.train.loop.TrainingLoop`) builds under
+  the bf16-mixed preset plus rules that pin layers to float32 (default for resnet18: every BatchNorm
+  and the classifier `fc`), stepped by the loop's own `train_step` (its hooks among it: audit, memory
+  table; the schedule and the loss window).
 - `plain`: the same model and weights under a hand-written `torch.autocast(dtype=bfloat16)`, with
   the same layers wrapped by hand in a module that turns autocast off and casts its input to
   float32 (what a user writes without ampflow), and `zero_grad / backward / optimizer.step()`.
@@ -81,16 +81,13 @@ def main(argv=None) -> int:
     warmup = args.warmup or (2 if args.smoke else 3)
     globs = args.rules if args.rules is not None else DEFAULT_RULES.get(model_name, [])
 
-    from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     from orchestrator.train.models import build_model
-    from orchestrator.train.training import build_training
 
-    torch.manual_seed(0)
     cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"},
                       "precision": {"preset": "bf16-mixed", "rules": [{"match": g, "dtype": "float32"} for g in globs]},
-                      "run": {"batch_size": batch}})
-    training = build_training(cfg, device, total_steps=10**6)
-    window = loop.Window(device)
+                      "run": {"batch_size": batch}, "tracking": {"system_metrics_interval_s": 0}})
+    stepper = common.LoopStepper(cfg, device)  # the worker's loop, stepped on the batches below
+    training = stepper.training
 
     plain_model = build_model(cfg.model)
     plain_model.load_state_dict(training.precision.fp32_state_dict())
@@ -109,15 +106,12 @@ def main(argv=None) -> int:
     same_logits = torch.equal(policy_logits, plain_logits)
     max_logit_diff = (policy_logits.float() - plain_logits.float()).abs().max().item()
     # That forward filled the policy's audit: close it as the worker does after its first step.
-    loop.close_audit(training, {})
+    training.precision.close_audit()
 
     policy_batches, plain_batches = itertools.cycle(batches), itertools.cycle(batches)
-    step_number = itertools.count(1)
 
     def policy_step() -> None:
-        inputs, targets = next(policy_batches)
-        loss, outcome = loop.train_step(training, inputs, targets, device, next(step_number))
-        loop.after_step(training, loss, outcome, len(targets), window, {})
+        stepper.step(*next(policy_batches))
 
     def plain_step() -> None:
         inputs, targets = next(plain_batches)

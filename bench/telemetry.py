@@ -3,14 +3,14 @@
 What is compared (one process, no Ray, fp16 autocast + dynamic loss scaling, preset O1, the same
 model, weights, batches and optimizer):
 
-- `full`: what a worker does per step apart from data loading and DDP: the loop's `train_step`
-  (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector and read
-  once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step overflows)
-  and `after_step` (the loss `Window` among it), and every `--log-every` steps a report made of the
-  loop's own `scale_telemetry` and `read_window`, with the system metrics sampler running
-  (`orchestrator.train.system`, every `--system-metrics-interval` seconds, its samples taken with
-  each report). On Ray the report then goes to `ray.train.report`; here it goes to a list,
-  because what happens after is Ray's cost and MLflow's, not the loop's.
+- `full`: what a worker does per step apart from data loading and DDP: the training loop's own
+  `train_step` (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector
+  and read once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step
+  overflows; every hook; the loss `Window`), and every `--log-every` steps a report as the loop makes
+  it (the window read, every hook's `collect`: loss-scale telemetry, the replay outbox, the system
+  metrics sampled every `--system-metrics-interval` seconds). On Ray the report then goes to
+  `ray.train.report`; here it goes to a list, because what happens after is Ray's cost and
+  MLflow's, not the loop's.
 - `none`: `torch.autocast` + `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`.
 
 Both make one host sync per step (GradScaler.step reads found-inf; GuardedScaler reads its flag
@@ -27,18 +27,20 @@ import itertools
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench import common
+from orchestrator.train.report import Report
 
 HARNESS = "telemetry"
 TARGET = "<= 1.02"
 
 
-def time_mlflow_writer(reports: list[dict], repeats: int) -> dict[str, float]:
+def time_mlflow_writer(reports: list, repeats: int) -> dict[str, float]:
     """Seconds per report for the driver's MlflowWriter against a real SQLite store in a temp dir."""
     from orchestrator.tracking.writer import MlflowWriter
     from orchestrator.tracking.tracker import RunTracker, quick_http_failures
@@ -50,12 +52,12 @@ def time_mlflow_writer(reports: list[dict], repeats: int) -> dict[str, float]:
                           "tracking": {"experiment": "bench-telemetry"}})
         tracker = RunTracker.start(uri, cfg, run_name="bench-telemetry", tags={}, params={}, config_yaml="")
         writer = MlflowWriter(relay=None, tracker=tracker)  # no relay: the harness hands it reports directly
-        writer.enqueue({**reports[0], "step": 0}, [])  # the store's first write (tables, caches) untimed
+        writer.enqueue(replace(reports[0], step=0))  # the store's first write (tables, caches) untimed
         writer._flush(force=True)
         per_report = []
         for step, report in enumerate(itertools.islice(itertools.cycle(reports), repeats), start=1):
             started = time.perf_counter()
-            writer.enqueue({**report, "step": step}, [])
+            writer.enqueue(replace(report, step=step))
             writer._flush(force=True)
             per_report.append(time.perf_counter() - started)
         tracker.finish("FINISHED")
@@ -86,18 +88,18 @@ def main(argv=None) -> int:
     steps = args.steps or (args.log_every if args.smoke else 100 if gpu else 20)
     warmup = args.warmup or (10 if args.smoke else 40)
 
-    from orchestrator.train import step as loop  # the worker's step code; imports without Ray
     from orchestrator.train.models import build_model
-    from orchestrator.train.system import SystemSampler, start_sampler
-    from orchestrator.train.training import build_training
+    from orchestrator.train.system import SystemSampler
 
-    torch.manual_seed(0)
     cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},
-                      "run": {"batch_size": batch}})
-    training = build_training(cfg, device, total_steps=10**6)
+                      "run": {"batch_size": batch}, "tracking": {"system_metrics_interval_s": args.system_metrics_interval}})
+    # The worker's loop, stepped on the batches below. Its system-metrics sampler runs all along: its wake-ups
+    # land in both candidates' rounds, so its own cost is measured apart below (per sample); `full` pays its
+    # per-step part (the step it samples at) and the take.
+    stepper = common.LoopStepper(cfg, device)
+    training = stepper.training
     amp = training.precision.policy.amp
-    window = loop.Window(device)
-    sink: list[dict] = []
+    sink: list = []
 
     bare_model = build_model(cfg.model)
     bare_model.load_state_dict(training.precision.fp32_state_dict())
@@ -111,20 +113,11 @@ def main(argv=None) -> int:
     batches = [(torch.randn(batch, 3, 32, 32, generator=generator).to(device),
                 torch.randint(0, cfg.model.num_classes, (batch,), generator=generator).to(device)) for _ in range(4)]
     full_batches, bare_batches = itertools.cycle(batches), itertools.cycle(batches)
-    global_step = 0
 
     def full_step() -> None:
-        nonlocal global_step
-        inputs, targets = next(full_batches)
-        global_step += 1
-        if sampler is not None:
-            sampler.step = global_step
-        loss, outcome = loop.train_step(training, inputs, targets, device, global_step)
-        loop.after_step(training, loss, outcome, targets.numel(), window, {})
-        if global_step % args.log_every == 0:  # the worker's periodic report, minus ray.train.report itself
-            sink.append({"step": global_step, **loop.scale_telemetry(training),
-                         **loop.read_window(training, window, global_step),
-                         "system_samples": sampler.take() if sampler is not None else []})
+        stepper.step(*next(full_batches))
+        if stepper.loop.global_step % args.log_every == 0:  # the worker's periodic report, minus ray.train.report
+            sink.append(stepper.report())
 
     def bare_step() -> None:
         inputs, targets = next(bare_batches)
@@ -135,16 +128,13 @@ def main(argv=None) -> int:
         bare_scaler.step(bare_opt)
         bare_scaler.update()
 
-    # The sampler's thread runs all along: its wake-ups land in both candidates' rounds, so its own cost is
-    # measured apart below (per sample); `full` pays its per-step part (the step it samples at) and the take.
-    sampler = start_sampler(0, device, args.system_metrics_interval)
+    sampler = stepper.loop.hooks.hooks[0].sampler  # the system-metrics hook's (None when off)
     try:
         times = common.interleaved({"full": full_step, "none": bare_step}, warmup=warmup, repeats=repeats,
                                    steps=steps, sync=common.synchronize(device))
     finally:
-        if sampler is not None:
-            sampler.stop()
-    samples_taken = sum(len(report["system_samples"]) for report in sink)
+        stepper.close()
+    samples_taken = sum(len(report.system_samples) for report in sink)
     probe = sampler or SystemSampler(0, device, 1.0)  # not started: only its reading is timed
     sample_started = time.perf_counter()
     for _ in range(20):
@@ -184,7 +174,7 @@ def main(argv=None) -> int:
     print(f"system metrics: {samples_taken} samples during the run; one sample takes {sample_ms:.3g} ms on the "
           f"sampler's thread (every 10 s by default: {sample_ms / 100:.2g}% of one core)")
     if not args.no_mlflow:
-        writer = time_mlflow_writer(sink or [{"train/loss": 0.0}], repeats=6 if args.smoke else 30)
+        writer = time_mlflow_writer(sink or [Report(metrics={"train/loss": 0.0})], repeats=6 if args.smoke else 30)
         figures.update({"mlflow_ms_per_report": writer["median_s"] * 1e3,
                         "mlflow_ms_per_step_amortised": writer["median_s"] * 1e3 / args.log_every,
                         "mlflow_reports_timed": writer["reports"], "mlflow_spread": writer["spread"]})

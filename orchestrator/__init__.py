@@ -1,16 +1,19 @@
 """ampflow: mixed-precision distributed training on Ray Train, tracked in MLflow.
 
-`from orchestrator import run` trains a job from Python (`orchestrator.api`); the commands are
+`from orchestrator import run` trains a job from Python (`orchestrator.api`); bad input raises `BadInput`,
+Ctrl-C or SIGTERM `Interrupted`, and a run's outcome is a `RunResult`. The commands are
 `python -m orchestrator.submit|sweep|jobs|summary|export` (or `ampflow ...`).
 """
 
-__all__ = ["run", "RunResult"]
+from orchestrator.errors import BadInput, Interrupted
+
+__all__ = ["run", "RunResult", "BadInput", "Interrupted"]
 
 
 def __getattr__(name: str):
     # Imported on first use: `python -m orchestrator.submit` should not pay for the Python API's imports.
-    if name in __all__:
+    if name in ("run", "RunResult"):
         from orchestrator import api
 
-        return getattr(api, name if name == "run" else "RunResult")
+        return getattr(api, name)
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

@@ -145,3 +145,29 @@ def test_first_nonfinite_names_the_layer_nearest_the_output():
     record = first_nonfinite(list(model.named_parameters()))
     assert (record["layer"], record["param"], record["kind"], record["nonfinite_count"]) == ("2", "2.weight", "nan", 1)
     assert record["max_abs_grad"] == pytest.approx(model[2].weight.grad.nan_to_num(0).abs().max().item())
+
+
+def test_the_grad_scaler_internals_ampflow_reads_are_where_it_reads_them():
+    """orchestrator.precision.scaler reads GradScaler's private found-inf flags and scale tensor, unscales fp16
+    gradients through `_unscale_grads_`, and keeps a fixed scale with `_init_scale`: a torch that renames them
+    fails here, not in a training run."""
+    from orchestrator.precision.scaler import FixedScaler, Scaler
+
+    half = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    optimizer = torch.optim.SGD([half], lr=0.1)
+    scaler = Scaler("cpu", init_scale=1024.0)
+    scaler.scale(half.float().sum()).backward()
+    half.grad[0] = float("inf")
+    scaler.unscale_(optimizer)  # fp16 gradients: torch refuses unless `_unscale_grads_` allows them
+    (flag,) = scaler.found_inf_flags(optimizer)
+    assert float(flag) == 1.0 and half.grad.dtype == torch.float16
+    scaler.update()
+    assert scaler.get_scale() == 512.0
+    scaler.cap(100.0)
+    assert scaler.get_scale() == 100.0
+
+    fixed = FixedScaler("cpu", init_scale=64.0)
+    fixed.scale(half.float().sum()).backward()
+    fixed.unscale_(optimizer)
+    fixed.update()  # an inf was found: a dynamic scaler would back off
+    assert fixed.get_scale() == 64.0

@@ -200,6 +200,8 @@ class MlflowWriter:
             fresh = [record for record in payload if json.dumps(record, sort_keys=True) not in known]
             if not fresh:  # all sent again by a resumed run, and logged already
                 return
-            merged = sorted(self.overflow_log + fresh, key=lambda r: (r["step"], r.get("rank", -1)))
+            # By step, then rank; a collapse comes after the overflows of its step, which caused it.
+            merged = sorted(self.overflow_log + fresh,
+                            key=lambda r: (r["step"], r.get("event") == "collapse", r.get("rank", -1)))
             self.tracker.log_dict(merged, OVERFLOW_LOG)
             self.overflow_log = merged

@@ -1,0 +1,19 @@
+"""The package's shape holds (its layers depend in one direction: `lint-imports`, which `make test` runs,
+checks pyproject.toml's contracts): the names the public API shows import where it shows them, and the
+built-in names the config checks are the ones the training registries build."""
+
+
+def test_the_names_the_readme_shows_import_where_it_shows_them():
+    from orchestrator import BadInput, Interrupted, RunResult, run  # noqa: F401
+    from orchestrator.precision import Precision  # noqa: F401
+
+
+def test_the_config_knows_exactly_the_names_the_registries_build():
+    from orchestrator.config import names
+    from orchestrator.train import models, task, vision
+
+    assert set(names.MODELS) == set(models.REGISTRY)
+    assert set(names.METRICS) == set(task.BUILT_IN)
+    assert set(names.TORCHVISION_DATASETS) == set(vision.NAMES)
+    for loss in names.LOSSES:
+        task.build_loss(type("Task", (), {"loss": loss, "label_smoothing": 0.0})())
