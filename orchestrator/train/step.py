@@ -15,6 +15,7 @@ import torch.distributed as dist
 from orchestrator.precision import LossScaleCollapsed, StepOutcome
 from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
 from orchestrator.train.modes import eval_mode
+from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.state import TrainState
 from orchestrator.train.training import Training
 
@@ -135,7 +136,7 @@ def after_step(training: Training, loss: torch.Tensor, outcome: StepOutcome, bat
     table = training.precision.ledger.take_table()  # once the optimizer has stepped: memory by category and dtype
     if table is not None:
         pending.update({"memory/breakdown": table, **training.precision.ledger.metrics()})
-    if training.scheduler is not None:
+    if training.scheduler is not None and should_step_schedule(outcome):
         training.scheduler.step()
     if not outcome.nan_loss:
         window.add(loss, batch_size)
