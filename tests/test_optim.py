@@ -228,6 +228,38 @@ def test_a_warmup_rises_linearly_to_each_groups_rate_then_none_stays_and_cosine_
     assert rates(section(schedule="none"), 3) == [[0.1, 0.01]] * 3
 
 
+def test_a_warmup_then_cosine_resumes_from_its_checkpointed_state_where_it_was(tmp_path):
+    """As a resumed run rebuilds it: a fresh optimizer and schedule, then both states loaded back (from a file
+    read with weights_only, as checkpoints are)."""
+    cfg = section(schedule="cosine", warmup_fraction=0.3)
+
+    def built():
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        return optimizer, optim.build_scheduler(cfg, optimizer, 10)
+
+    optimizer, scheduler = built()
+    for _ in range(2):  # into the warmup
+        optimizer.step()
+        scheduler.step()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "state.pt")
+    straight = []
+    for _ in range(8):
+        straight.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+
+    optimizer, scheduler = built()
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    resumed = []
+    for _ in range(8):
+        resumed.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert resumed == straight and straight[:2] == pytest.approx([0.075, 0.1])
+
+
 def test_onecycle_peaks_at_each_groups_own_rate():
     seen = rates(section(schedule="onecycle", lr=0.1), 20)
     assert max(lrs[0] for lrs in seen) == pytest.approx(0.1)

@@ -353,12 +353,16 @@ def check_on_model(optim_cfg, model: nn.Module) -> list[str]:
     their constructors refuse is bad input before anything starts; returns the warnings (`unmatched_groups`)."""
     try:
         optimizer = build_optimizer(optim_cfg, list(model.named_parameters()), model)
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except BadInput:
+        raise
+    except Exception as exc:  # whatever the class raises on a value it refuses (ValueError, TypeError, ...)
         raise BadInput(f"optim: {optim_cfg.name} refuses this job's settings ({type(exc).__name__}: {exc}). "
                        "Check optim.lr, optim.kwargs and optim.param_groups.") from None
     try:
         build_scheduler(optim_cfg, optimizer, PREFLIGHT_TOTAL_STEPS)
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except BadInput:
+        raise
+    except Exception as exc:
         raise BadInput(f"optim.schedule: '{optim_cfg.schedule}' fails on this job's optimizer "
                        f"({type(exc).__name__}: {exc}). Check optim.schedule_kwargs.") from None
     return unmatched_groups(optim_cfg, model)
