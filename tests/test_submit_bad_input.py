@@ -56,6 +56,15 @@ CASES = {
                                    "checkpoint.score_metric: 'eval/top5' is not a metric this job evaluates"),
     "loss_fails_on_the_outputs": (small_job(task={"loss": "bce_with_logits", "metrics": []}), [],
                                   "task.loss: 'bce_with_logits' fails on model simple_cnn's outputs (2x10)"),
+    # Your own optimizer and schedule: what is not one, a key it does not take, a value it refuses.
+    "optimizer_not_an_optimizer": (small_job(optim={"name": "orchestrator.train.models:SimpleCNN"}), [],
+                                   "optim.name: 'orchestrator.train.models:SimpleCNN' is not a torch.optim.Optimizer"),
+    "optimizer_kwarg_not_taken": (small_job(optim={"name": "torch.optim:RMSprop", "kwargs": {"betas": [0.9, 0.99]}}),
+                                  [], "optim.kwargs.betas: optimizer torch.optim.rmsprop.RMSprop takes no argument"),
+    "schedule_not_a_schedule": (small_job(), ["optim.schedule=torch.optim:SGD"],
+                                "optim.schedule: 'torch.optim:SGD' is not an LRScheduler"),
+    "optimizer_refuses_a_value": (small_job(optim={"name": "adam", "eps": -1.0}), [],
+                                  "optim: adam refuses this job's settings (ValueError: Invalid epsilon value: -1.0)"),
     # Storage that cannot be written is found before Ray starts or a run is created.
     "storage_unwritable": (small_job(checkpoint={"storage_path": "/proc/ampflow-x"}), [],
                            "checkpoint.storage_path: cannot write checkpoints to /proc/ampflow-x"),

@@ -5,13 +5,11 @@ import re
 
 from omegaconf import DictConfig
 
-from orchestrator.config import names
+from orchestrator.config import names, optim
 from orchestrator.config.imports import is_import_path
 from orchestrator.errors import BadInput
 from orchestrator.precision.policy import Policy
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("none", "cosine", "onecycle")
 LINT_LEVELS = ("error", "warn", "off")
 ON_COLLAPSE = ("abort", "rollback", "promote")
 ON_NAN_LOSS = ("abort", "skip")
@@ -49,10 +47,7 @@ def validate(cfg: DictConfig, source: str) -> None:
     lr = cfg.optim.lr
     r(0 <= cfg.task.label_smoothing < 1, "task.label_smoothing", f"must be in [0, 1), got {cfg.task.label_smoothing}.")
     r(math.isfinite(lr) and lr >= 0, "optim.lr", f"must be a finite number >= 0, got {lr}.")
-    r(cfg.optim.name in OPTIMIZERS, "optim.name", f"unknown optimizer '{cfg.optim.name}'. Use one of {', '.join(OPTIMIZERS)}.")
-    r(cfg.optim.schedule in SCHEDULES, "optim.schedule", f"unknown schedule '{cfg.optim.schedule}'. Use one of {', '.join(SCHEDULES)}.")
     r(len(cfg.optim.betas) == 2, "optim.betas", "must be a list of two numbers [beta1, beta2].")
-    r(0 < cfg.optim.warmup_fraction < 1, "optim.warmup_fraction", "must be between 0 and 1.")
 
     r(cfg.optim.implementation in OPTIM_IMPLEMENTATIONS, "optim.implementation",
       f"unknown implementation '{cfg.optim.implementation}'. Use one of {', '.join(OPTIM_IMPLEMENTATIONS)}.")
@@ -77,6 +72,7 @@ def validate(cfg: DictConfig, source: str) -> None:
         names.check_dataset_name(cfg.data.name)
         names.check_model_name(cfg.model.name)
         names.check_task(cfg.task)
+        optim.check(cfg.optim)
         names.check_callbacks(cfg.callbacks)
     except BadInput as exc:
         raise BadInput(f"{source}: {exc}") from None

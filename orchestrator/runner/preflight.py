@@ -2,8 +2,10 @@
 before Ray starts, an MLflow run exists or anything reaches a cluster.
 
 In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
-also describes the data for the run's MLflow dataset inputs), the precision lint, this machine can hold the
-workers, and which run it is (a new name that is not taken, or the interrupted run `--resume` continues). The config itself was checked when it was loaded.
+also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
+precision lint, this machine can hold the workers, and which run it is (a new name that is not taken, or the
+interrupted run `--resume` continues). The config itself was
+checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -59,6 +61,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
     lineage: dict[str, list] = {}  # the data's lineage per distinct data section
     evaluated: dict[str, set[str]] = {}  # the eval/... metrics each distinct model, data and task logs
+    warned: set[str] = set()  # optimizer warnings printed already (a sweep's points usually share them)
     for cfg in configs:
         what = repr((cfg.model, cfg.data, cfg.task))
         if what not in built:
@@ -69,6 +72,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
                 lineage[repr(cfg.data)], evaluated[what] = check_data_fits_model(cfg, built[what])
         if what in evaluated:
             check_metric_names(cfg, evaluated[what])
+        check_optimizer(cfg, built[what], warned)
         check_lint(cfg, built[what])
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
@@ -154,6 +158,17 @@ def check_metric_names(cfg: DictConfig, evaluated: set[str]) -> None:
         if name is not None and name not in evaluated:
             raise BadInput(f"{key}: '{name}' is not a metric this job evaluates. It logs "
                            f"{', '.join(sorted(evaluated))} (task.metrics={list(cfg.task.metrics)}).")
+
+
+def check_optimizer(cfg: DictConfig, model, warned: set[str]) -> None:
+    """The job's optimizer and schedule, built on the model: what their constructors refuse is bad input here;
+    an `optim.param_groups` glob that takes no parameter is a warning (printed once)."""
+    from orchestrator.train.optim import check_on_model
+
+    for warning in check_on_model(cfg.optim, model):
+        if warning not in warned:
+            warned.add(warning)
+            print(f"warning: {warning}", file=sys.stderr)
 
 
 def check_lint(cfg: DictConfig, model) -> None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from orchestrator.config.imports import is_import_path, resolve_import_path
-from orchestrator.config.names import check_dataset_name
+from orchestrator.config.names import TORCHVISION_DATASETS, check_dataset_name
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train import vision
 
@@ -59,7 +59,7 @@ def _cifar_unavailable(root: Path, reason: str) -> DataUnavailable:
 def ensure_available(data_cfg) -> None:
     """Driver-side check before Ray starts: the dataset can be had (downloading it if allowed)."""
     check_dataset_name(data_cfg.name)
-    if data_cfg.name in vision.NAMES:
+    if data_cfg.name in TORCHVISION_DATASETS:
         vision.build(data_cfg)  # downloads when allowed; DataUnavailable says where to put the files
         return
     if data_cfg.name != "cifar10":
@@ -149,7 +149,7 @@ def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
     check_dataset_name(data_cfg.name)
     if is_import_path(data_cfg.name):
         return _user_datasets(data_cfg)
-    if data_cfg.name in vision.NAMES:
+    if data_cfg.name in TORCHVISION_DATASETS:
         return vision.build(data_cfg)
     if data_cfg.name == "cifar10":
         return _cifar10(data_cfg)

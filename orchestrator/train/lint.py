@@ -11,13 +11,12 @@ printed), `warn` (everything is printed, training goes on), or `off` (not checke
 import math
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from orchestrator.precision.dtypes import dtype_name
 from orchestrator.precision.precision import bf16_unsupported
 from orchestrator.precision.policy import NORM_TYPES, Policy, plan, unmatched_rules
-from orchestrator.train.optim import build_optimizer
+from orchestrator.train.optim import build_grouped, group_labels, groups_of
 
 SIMULATED_STEPS = 100
 SIMULATED_GRADIENT = 1e-5
@@ -35,19 +34,27 @@ class Finding(str):
         return finding
 
 
-def _adam_drift(cfg, dtype: torch.dtype) -> tuple[float, float]:
-    """(where the job's optimizer moves a weight in `dtype`, where it moves it in fp32) after SIMULATED_STEPS
-    steps of a constant SIMULATED_GRADIENT: the optimizer's real kernels, state kept in the parameter dtype."""
-    optim = OmegaConf.merge(cfg.optim, {"weight_decay": 0.0})  # decay pulls toward 0: not what is measured
+def _adam_drift(cfg, model: nn.Module, plans, dtype: torch.dtype) -> list[tuple[str, float, float]]:
+    """For each of the job's parameter groups holding `dtype` parameters: (which group, where the job's optimizer
+    moves a weight in `dtype`, where it moves it in fp32) after SIMULATED_STEPS steps of a constant
+    SIMULATED_GRADIENT: the optimizer's real class and kernels with the group's settings, state in the dtype."""
+    held = {index for name, index in groups_of(cfg.optim, model).items()
+            if plans[name.rpartition(".")[0]].param_dtype == dtype}
+    labels = group_labels(cfg.optim)
     moved = []
     for param_dtype in (dtype, torch.float32):
-        param = nn.Parameter(torch.zeros(4, dtype=param_dtype))
-        optimizer = build_optimizer(optim, [param])
+        params = [nn.Parameter(torch.zeros(4, dtype=param_dtype)) for _ in labels]
+        optimizer = build_grouped(cfg.optim, [[param] for param in params])
+        for group in optimizer.param_groups:  # decay pulls toward 0: not what is measured
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
         for _ in range(SIMULATED_STEPS):
-            param.grad = torch.full_like(param, SIMULATED_GRADIENT)
+            for param in params:
+                param.grad = torch.full_like(param, SIMULATED_GRADIENT)
             optimizer.step()
-        moved.append(float(param.detach().float().mean()))
-    return moved[0], moved[1]
+        moved.append([float(param.detach().float().mean()) for param in params])
+    where = [f", group {label}" if len(labels) > 1 else "" for label in labels]
+    return [(where[i], moved[0][i], moved[1][i]) for i in sorted(held)]
 
 
 def _smallest_surviving_update(dtype: torch.dtype) -> float:
@@ -64,17 +71,21 @@ def lint(cfg, model: nn.Module) -> list[Finding]:
     half_layers = {p.name: p.param_dtype for p in plans.values() if p.has_params and p.param_dtype != torch.float32}
     half_state = sorted(set(half_layers.values()), key=str) if not policy.master_weights else []
     for dtype in half_state:
-        if cfg.optim.name in ("adam", "adamw"):
-            moved, reference = _adam_drift(cfg, dtype)
-            if not math.isfinite(moved) or abs(moved - reference) > 0.1 * abs(reference):
+        if cfg.optim.name != "sgd":  # adam, adamw or an optimizer of the user's: measured
+            adam = cfg.optim.name in ("adam", "adamw")
+            for where, moved, reference in _adam_drift(cfg, model, plans, dtype):
+                if math.isfinite(moved) and abs(moved - reference) <= 0.1 * abs(reference):
+                    continue
+                why = (f"v = g^2 underflows there (a gradient of {SIMULATED_GRADIENT:g} squares to "
+                       f"{SIMULATED_GRADIENT ** 2:g}) and the update divides by ~optim.eps={cfg.optim.eps:g}. " if adam
+                       else "")
                 findings.append(Finding(
                     f"optim.name={cfg.optim.name} keeps its state in {dtype_name(dtype)} ({len(half_layers)} layers' "
-                    f"parameters, no master weights): v = g^2 underflows there (a gradient of {SIMULATED_GRADIENT:g} "
-                    f"squares to {SIMULATED_GRADIENT ** 2:g}) and the update divides by ~optim.eps="
-                    f"{cfg.optim.eps:g}. Measured with this job's optimizer (optim.implementation="
-                    f"{cfg.optim.implementation}, optim.lr={cfg.optim.lr:g}): {SIMULATED_STEPS} steps of that gradient "
-                    f"move a weight by {moved:.3g} instead of {reference:.3g}. Fix: set precision.master_weights: "
-                    "true (the optimizer steps fp32 copies), or use bfloat16 (fp32's exponent range).")
+                    f"parameters, no master weights): {why}Measured with this job's optimizer (optim.implementation="
+                    f"{cfg.optim.implementation}, optim.lr={cfg.optim.lr:g}{where}): {SIMULATED_STEPS} steps of a "
+                    f"gradient of {SIMULATED_GRADIENT:g} move a weight by {moved:.3g} instead of {reference:.3g}. "
+                    "Fix: set precision.master_weights: true (the optimizer steps fp32 copies), or use bfloat16 "
+                    "(fp32's exponent range).")
                 )
         elif cfg.optim.name == "sgd":
             smallest = _smallest_surviving_update(dtype)

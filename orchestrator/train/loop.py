@@ -38,8 +38,10 @@ from orchestrator.train.hooks.memory import MemoryReport
 from orchestrator.train.hooks.outbox import ReplayOutbox
 from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
+from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.report import Report
+from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
@@ -110,6 +112,7 @@ class TrainingLoop:
         self.hooks = Hooks([
             SystemMetrics(cfg.tracking.system_metrics_interval_s), TimeToFirstStep(launched_at), PolicyAudit(),
             MemoryReport(), LossScaleTelemetry(), CollapseRecovery(cfg.precision.scaler.on_collapse),
+            ParamGroupTable(fresh=state is None),
             *hooks, *build_callbacks(cfg.callbacks), self.outbox,  # last: it keeps every report whole
         ], self.rank)
 
@@ -156,7 +159,7 @@ class TrainingLoop:
         self.hooks.call("before_step", self, step)
         accumulated_step(self.training, step, self.device, lambda s: self.hooks.call("after_backward", self, s))
         self.sample_shape = self.sample_shape or list(step.batches[0][0].shape[1:])
-        if self.training.scheduler is not None:
+        if self.training.scheduler is not None and should_step_schedule(step.outcome):
             self.training.scheduler.step()
         if not step.outcome.nan_loss:
             self.window.add(step.loss, step.samples)

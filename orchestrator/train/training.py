@@ -113,7 +113,7 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     compile_options = {"backend": cfg.perf.compile_backend, "mode": cfg.perf.compile_mode} if cfg.perf.compile else None
     prepared = PreparedModel((wrap or ddp_wrap(cfg))(model), model, sum(param_bytes_by_dtype(model).values()),
                              memory_format, compile_options)
-    optimizer = build_optimizer(cfg.optim, precision.optimizer_params())
+    optimizer = build_optimizer(cfg.optim, precision.named_tensors, model)  # grouped by name: masters follow
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     if state is not None:
         optimizer.load_state_dict(state.optimizer)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from orchestrator.config.names import IMAGE_FOLDER, TORCHVISION_DATASETS as NAMES, TORCHVISION_SPLIT_BY as SPLIT_BY
+from orchestrator.config.names import IMAGE_FOLDER, TORCHVISION_SPLIT_BY as SPLIT_BY
 from orchestrator.errors import DataUnavailable
 
 SPLIT_NAMES = {"SVHN": ("train", "test"), "STL10": ("train", "test"), "Flowers102": ("train", "val"),
@@ -42,7 +42,8 @@ def transforms_for(cfg, train: bool):
 
 
 def build(cfg) -> tuple[Dataset, Dataset]:
-    """(train, eval) for `data.name` in NAMES; DataUnavailable when the files are not there."""
+    """(train, eval) for a torchvision `data.name` (`config.names.TORCHVISION_DATASETS`); DataUnavailable when
+    the files are not there."""
     from torchvision import datasets
 
     root, name = Path(cfg.root), cfg.name
