@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 COMMANDS = {
     "submit": "train a job file on Ray Train workers, tracked in one MLflow run",
-    "sweep": "run a job once per precision preset and compare them",
+    "sweep": "run a job once per point of a grid (precision presets, or any keys) and compare the runs",
     "jobs": "status, logs or stop of a job submitted to a cluster's job server",
     "summary": "bytes by dtype of a model under a precision policy",
     "export": "export a run's trained model in half precision",

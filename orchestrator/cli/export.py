@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
+from orchestrator.cli.program import prog
 from orchestrator.train.data import build_datasets
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 from orchestrator.train.modes import eval_mode
@@ -114,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     install_console_redaction()  # before anything can print the tracking URI's password (MLflow's lines included)
     quick_http_failures()
 
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.export",
+    parser = argparse.ArgumentParser(prog=prog("export"),
                                      description="Export a finished run's model in half precision.")
     parser.add_argument("run_id")
     parser.add_argument("--dtype", required=True, choices=EXPORT_DTYPES)

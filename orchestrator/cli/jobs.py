@@ -12,12 +12,13 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from orchestrator.cli.program import prog
 from orchestrator.runner import remote
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.jobs",
+    parser = argparse.ArgumentParser(prog=prog("jobs"),
                                      description="Look at or stop a job on a remote Ray cluster.")
     parser.add_argument("command", choices=("status", "logs", "stop"))
     parser.add_argument("job_id", help="the id `submit --address ... --no-wait` printed (raysubmit_...)")

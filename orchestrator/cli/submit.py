@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+from orchestrator.cli.program import prog
 from orchestrator import console
 from orchestrator.config import reference
 from orchestrator.runner import remote
@@ -29,7 +30,7 @@ from orchestrator.tracking.secrets import install_console_redaction, redact
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.submit",
+        prog=prog("submit"),
         description="Train a job file on Ray Train workers and track it in one MLflow run.",
         epilog=reference.render(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from orchestrator.cli.program import prog
 from orchestrator.config.loader import load_precision
 from orchestrator.config.schema import OptimSection
 from orchestrator.errors import BadInput
@@ -137,7 +138,7 @@ def render(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.summary",
+    parser = argparse.ArgumentParser(prog=prog("summary"),
                                      description="A precision-aware model summary: real bytes by dtype.")
     parser.add_argument("model", help="registry name (simple_cnn, resnet18, three_conv) or package.module:Name")
     parser.add_argument("--input", default="3,32,32", help="input shape without the batch, e.g. 3,64,64")

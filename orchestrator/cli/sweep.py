@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator.cli.program import prog
 from orchestrator import console
 from orchestrator.cli.sweep_grid import PRESET_KEY, parse_grid, point_labels
 from orchestrator.config import reference
@@ -70,7 +71,7 @@ class SweepPlan:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.sweep",
+        prog=prog("sweep"),
         description="Train a job once per precision preset (--presets), or per point of a grid over any config keys "
                     "(--grid), and compare speed, memory and accuracy in MLflow.",
         epilog=reference.render(), formatter_class=argparse.RawDescriptionHelpFormatter,
