@@ -61,7 +61,7 @@ class SweepPlan:
 
     @property
     def presets_only(self) -> bool:
-        """A sweep of presets alone: rows, labels and output as they were before grids."""
+        """A sweep of presets alone: rows labelled by preset, compared with the first preset."""
         return [key for key, _ in self.grid] == [PRESET_KEY]
 
     @property
