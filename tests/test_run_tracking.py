@@ -11,6 +11,7 @@ from orchestrator.config import load_job
 from orchestrator.runner import records
 from orchestrator.tracking.tracker import RunTracker
 from orchestrator.tracking.writer import MlflowWriter
+from orchestrator.train.report import Report
 
 
 @pytest.fixture
@@ -23,9 +24,11 @@ def test_the_writer_logs_each_metric_once_per_step_and_a_resumed_writer_goes_on_
                                                                                                  monkeypatch):
     monkeypatch.setenv("AMPFLOW_TEST_SECRET", "hunter2-hunter2")
     writer = MlflowWriter(relay=None, tracker=tracker)
-    writer.enqueue({"step": 2, "train/loss": 0.5, "tags": {"note": "key hunter2-hunter2"}, "audit": [{"a": 1}]}, [])
-    writer.enqueue({"step": 2, "train/loss": 0.4, "eval/accuracy": 0.7}, [{"step": 2, "rank": 1}])
-    writer.enqueue({"step": 4, "train/loss": 0.3}, [{"step": 3, "rank": 0}])
+    writer.enqueue(Report(step=2, metrics={"train/loss": 0.5}, tags={"note": "key hunter2-hunter2"},
+                          tables={"audit": [{"a": 1}]}))
+    writer.enqueue(Report(step=2, metrics={"train/loss": 0.4, "eval/accuracy": 0.7},
+                          overflow_records=[{"step": 2, "rank": 1}]))
+    writer.enqueue(Report(step=4, metrics={"train/loss": 0.3}, overflow_records=[{"step": 3, "rank": 0}]))
     assert writer._flush(force=True)
 
     client = MlflowClient(tracking_uri=tracker.uri)
@@ -38,8 +41,8 @@ def test_the_writer_logs_each_metric_once_per_step_and_a_resumed_writer_goes_on_
     resumed = MlflowWriter(relay=None, tracker=RunTracker.open(tracker.uri, tracker.run_id))
     resumed.resume_from_run()
     assert resumed.last_step == {"train/loss": 4, "eval/accuracy": 2}
-    resumed.enqueue({"step": 4, "train/loss": 9.0}, [{"step": 5, "rank": 0}])  # a repeat after a restart
-    resumed.enqueue({"step": 6, "train/loss": 0.2}, [])
+    resumed.enqueue(Report(step=4, metrics={"train/loss": 9.0}, overflow_records=[{"step": 5, "rank": 0}]))  # a repeat
+    resumed.enqueue(Report(step=6, metrics={"train/loss": 0.2}))
     assert resumed._flush(force=True)
     assert [m.step for m in tracker.metric_history("train/loss")] == [2, 4, 6]
     assert [r["step"] for r in tracker.load_json("amp/overflow_log.json")] == [2, 3, 5]
@@ -50,18 +53,20 @@ def test_a_resumed_runs_replayed_reports_fill_the_gap_once_and_the_writer_says_h
     one the dead driver had logged for sure (here 2-4), with their overflow records; only what MLflow lacks is
     logged, the overflow log has no duplicates, and the new writer tells storage the newest report it logged."""
     first = MlflowWriter(relay=None, tracker=tracker)
-    first.enqueue({"step": 2, "seq": 1, "train/loss": 0.9}, [])
-    first.enqueue({"step": 4, "seq": 2, "train/loss": 0.8}, [{"step": 3, "rank": 1, "event": "overflow"}])
+    first.enqueue(Report(seq=1, step=2, metrics={"train/loss": 0.9}))
+    first.enqueue(Report(seq=2, step=4, metrics={"train/loss": 0.8},
+                         overflow_records=[{"step": 3, "rank": 1, "event": "overflow"}]))
     assert first._flush(force=True)  # then the driver dies with reports 3 and 4 never taken
 
     told = []
     resumed = MlflowWriter(relay=None, tracker=RunTracker.open(tracker.uri, tracker.run_id), on_logged=told.append)
     resumed.resume_from_run()
-    replay = [{"step": 4, "seq": 2, "train/loss": 0.8}, {"step": 6, "seq": 3, "train/loss": 0.7},
-              {"step": 8, "seq": 4, "train/loss": 0.6, "eval/accuracy": 0.5}]
-    resumed.enqueue({"step": 8, "seq": 4, "train/loss": 0.6, "eval/accuracy": 0.5, "replay": replay},
-                    [{"step": 3, "rank": 1, "event": "overflow"}, {"step": 7, "rank": 0, "event": "overflow"}])
-    resumed.enqueue({"step": 10, "seq": 5, "train/loss": 0.5}, [])
+    replay = [Report(seq=2, step=4, metrics={"train/loss": 0.8}), Report(seq=3, step=6, metrics={"train/loss": 0.7}),
+              Report(seq=4, step=8, metrics={"train/loss": 0.6, "eval/accuracy": 0.5})]
+    resumed.enqueue(Report(seq=4, step=8, metrics={"train/loss": 0.6, "eval/accuracy": 0.5}, replay=replay,
+                           overflow_records=[{"step": 3, "rank": 1, "event": "overflow"},
+                                             {"step": 7, "rank": 0, "event": "overflow"}]))
+    resumed.enqueue(Report(seq=5, step=10, metrics={"train/loss": 0.5}))
     assert resumed._flush(force=True)
     resumed._tell_logged(force=True)
     assert [(m.step, m.value) for m in tracker.metric_history("train/loss")] == \
@@ -77,8 +82,9 @@ def test_a_report_counts_as_logged_only_once_all_of_its_records_are_in(tracker, 
     them too, it does."""
     told = []
     writer = MlflowWriter(relay=None, tracker=tracker, on_logged=told.append)
-    writer.enqueue({"step": 2, "seq": 1, "train/loss": 0.9}, [])
-    writer.enqueue({"step": 4, "seq": 2, "train/loss": 0.8}, [{"step": 3, "rank": 1, "event": "overflow"}])
+    writer.enqueue(Report(seq=1, step=2, metrics={"train/loss": 0.9}))
+    writer.enqueue(Report(seq=2, step=4, metrics={"train/loss": 0.8},
+                          overflow_records=[{"step": 3, "rank": 1, "event": "overflow"}]))
     real_log_dict = RunTracker.log_dict
 
     def refuses(self, value, path):
@@ -134,13 +140,13 @@ def test_system_samples_of_every_rank_are_logged_at_their_own_time_once_even_whe
     samples = [{"t": 1_000_000, "step": 1, "m": {"system/rank_0/cpu_utilization_percentage": 50.0}},
                {"t": 1_000_005, "step": 1, "m": {"system/rank_1/cpu_utilization_percentage": 70.0}},
                {"t": 1_010_000, "step": 1, "m": {"system/rank_1/cpu_utilization_percentage": 75.0}}]
-    first.enqueue({"step": 2, "seq": 1, "train/loss": 0.9, "system_samples": samples}, [])
+    first.enqueue(Report(seq=1, step=2, metrics={"train/loss": 0.9}, system_samples=samples))
     assert first._flush(force=True)
 
     resumed = MlflowWriter(relay=None, tracker=RunTracker.open(tracker.uri, tracker.run_id))
     resumed.resume_from_run()
     again = samples[1:] + [{"t": 1_020_000, "step": 3, "m": {"system/rank_1/cpu_utilization_percentage": 80.0}}]
-    resumed.enqueue({"step": 4, "seq": 2, "train/loss": 0.8, "system_samples": again}, [])
+    resumed.enqueue(Report(seq=2, step=4, metrics={"train/loss": 0.8}, system_samples=again))
     assert resumed._flush(force=True)
     history = lambda key: [(m.step, m.timestamp, m.value) for m in tracker.metric_history(key)]  # noqa: E731
     assert history("system/rank_0/cpu_utilization_percentage") == [(1, 1_000_000, 50.0)]
