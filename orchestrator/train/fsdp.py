@@ -128,6 +128,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_full_state_dict(model: nn.Module, state: Optional[dict[str, torch.Tensor]]) -> None:
     """Load rank 0's full state dict (fp32) into the sharded model, each rank keeping its shards in their storage
-    dtype (a collective: the other ranks pass None)."""
-    set_model_state_dict(model, state if dist.get_rank() == 0 else {},
+    dtype (a collective: the other ranks pass None). `state` itself is left as it is (torch replaces its entries)."""
+    set_model_state_dict(model, dict(state) if dist.get_rank() == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
