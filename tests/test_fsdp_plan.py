@@ -132,8 +132,8 @@ def test_an_fp32_rule_in_a_half_model_is_a_unit_that_hands_its_neighbours_their_
 
 
 def test_a_rule_inside_a_wrapped_unit_splits_it():
-    plan_ = by_name(units(Blocks(), "precision.preset=bf16-true", "precision.rules=[{match: 'blocks.1.0', dtype: float32}]",
-                          wrap=["blocks.*"]))
+    rule = "precision.rules=[{match: 'blocks.1.0', dtype: float32}]"
+    plan_ = by_name(units(Blocks(), "precision.preset=bf16-true", rule, wrap=["blocks.*"]))
     assert plan_["blocks.1.0"].reason == "rule 'blocks.1.0' (float32)"
     assert plan_["blocks.1"].params == ("blocks.1.1.weight", "blocks.1.1.bias")
     assert plan_["blocks.1.0"].mp_policy.output_dtype == BF16

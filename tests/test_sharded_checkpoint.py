@@ -79,7 +79,7 @@ def test_a_checkpoint_loads_back_into_fresh_model_and_optimizer_exactly(tmp_path
 
 @pytest.mark.parametrize("damage, problem", [
     (lambda d: (d / "manifest_rank0.json").unlink(), "manifest_rank0.json is missing"),
-    (lambda d: (d / SHARDED_DIR / "__0_0.distcp").write_bytes(b"truncated"), "__0_0.distcp is missing or does not match"),
+    (lambda d: (d / SHARDED_DIR / "__0_0.distcp").write_bytes(b"cut"), "__0_0.distcp is missing or does not match"),
     (lambda d: (d / SHARDED_DIR / ".metadata").unlink(), ".metadata is missing or does not match"),
     (lambda d: (d / "rank0.pt").unlink(), "rank0.pt is missing or does not match"),
 ])

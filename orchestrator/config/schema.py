@@ -208,9 +208,9 @@ class FsdpSection:
 
     wrap: List[str] = field(default_factory=list)
     """Globs on a module's class name (`Block`) or qualified name (`layers.*`) naming the modules that become FSDP
-    units (each glob the outermost modules it matches); empty: the model's own `fsdp_units` (an attribute or method listing qualified names), else each direct
-    child holding parameters. A module a precision rule gives another dtype than its unit's becomes a unit too; the
-    root always is."""
+    units (each glob the outermost modules it matches); empty: the model's own `fsdp_units` (an attribute or method
+    listing qualified names), else each direct child holding parameters. A module a precision rule gives another
+    dtype than its unit's becomes a unit too; the root always is."""
 
 
 @dataclass
