@@ -5,6 +5,7 @@ weights; a resumed run goes on bit-identically; the full state dict round-trips;
 prediction says. Each scenario runs once per module (one spawn) and the tests read its results."""
 
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,7 @@ def identity_scenario(rank: int, directory: Path) -> dict:
         for net, optimizer, no_sync in ((ddp, ddp_opt, ddp.no_sync), (model, opt, strategy.no_sync)):
             optimizer.zero_grad(set_to_none=True)
             for index, (x, y) in enumerate(micro):
-                with no_sync() if index == 0 else _nothing():
+                with no_sync() if index == 0 else nullcontext():
                     (nn.functional.cross_entropy(net(x), y) / 2).backward()
                 if net is model and step == 1 and index == 0:
                     reduced_early = any(p.grad is not None for p in model.parameters())
@@ -169,14 +170,6 @@ def identity_scenario(rank: int, directory: Path) -> dict:
     return {"norms": norms, "reduced_early": reduced_early, "full": full, "ddp": ddp_state,
             "memory": strategy.memory(opt),
             "predicted": predict_rank_bytes(model, strategy.plan, 2, rank=rank, optimizer_states=1)}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def resume_scenario(rank: int, directory: Path) -> dict:
