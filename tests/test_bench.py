@@ -43,6 +43,13 @@ def test_policy_harness(tmp_path):
     assert record["figures"]["same_logits"] is True  # the two candidates compute the same thing
 
 
+@pytest.mark.slow
+def test_fsdp_memory_harness(tmp_path):
+    done, record = run_harness("fsdp_memory", tmp_path)
+    check_record(done, record, "fsdp_memory", {"O0_state_bytes"})
+    assert record["figures"]["O0"]["prediction_exact"] is True
+
+
 def test_fast_paths_harness(tmp_path):
     done, record = run_harness("fast_paths", tmp_path)
     check_record(done, record, "fast_paths", {f"{name}_speedup" for name in

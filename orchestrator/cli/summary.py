@@ -1,9 +1,15 @@
-"""`python -m orchestrator.summary MODEL --input 3,64,64 [--precision O3] [--optimizer adam] [--json]`
+"""`python -m orchestrator.summary MODEL --input 3,64,64 [--precision O3] [--optimizer adam] [--json]
+[--strategy fsdp --world-size N]`
 
 A model summary that tells the truth about dtypes: the policy is applied to the model, one real
 training step runs (forward, backward, optimizer step; loss scaling off so the optimizer always
 steps), and every number is measured on the live tensors: parameters as stored, gradients,
 optimizer state, fp32 masters and the activations autograd saved for backward.
+
+With `--strategy fsdp --world-size N` the parameters, gradients and optimizer state are what rank 0
+of N will hold of them under FSDP (`predict_rank_bytes`: its shards in their storage dtype, exact on
+two ranks as bench.fsdp_memory measures; no separate masters: the fp32 shards are the masters), and
+the activations are the measured ones (per rank, at this batch size).
 """
 
 import argparse
@@ -26,6 +32,7 @@ from orchestrator.train.optim import build_optimizer
 from orchestrator.precision import MasterWeights, Policy, apply, autocast_context, dtype_name, plan
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -47,8 +54,13 @@ def parse_input(text: str) -> tuple[int, ...]:
 
 def summarize(model_name: str, input_shape: Sequence[int], *, preset: str = "O0", optimizer: str = "sgd",
               batch_size: int = 1, num_classes: Optional[int] = None, activations: bool = True,
-              device: Optional[torch.device] = None) -> dict[str, Any]:
-    """The summary as the `--json` object."""
+              device: Optional[torch.device] = None, strategy: str = "ddp", world_size: int = 1,
+              wrap: Sequence[str] = ()) -> dict[str, Any]:
+    """The summary as the `--json` object (per rank under `strategy` over `world_size` ranks)."""
+    if strategy not in STRATEGIES:
+        raise BadInput(f"--strategy: '{strategy}' is not one of {', '.join(STRATEGIES)}.")
+    if world_size < 1:
+        raise BadInput(f"--world-size: must be >= 1, got {world_size}.")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision_cfg = load_precision(preset)
     policy = Policy.from_config(precision_cfg)
@@ -93,12 +105,39 @@ def summarize(model_name: str, input_shape: Sequence[int], *, preset: str = "O0"
             "param_dtype": dtype_name(own[0].dtype) if own else None,
             "bytes": sum(p.numel() * p.element_size() for p in own),
         })
-    return {
+    summary = {
         "model": model_name, "input": list(input_shape), "batch_size": batch_size,
         "precision": precision_cfg.preset, "optimizer": optimizer, "activations_measured": activations,
+        "strategy": strategy, "world_size": world_size,
         "total_params": sum(p.numel() for p in model.parameters()),
         "bytes": {category: dict(sorted(ledger.bytes.get(category, {}).items())) for category in CATEGORIES},
         "layers": layers,
+    }
+    if strategy == "fsdp":
+        summary.update(_fsdp_rank0(model, policy, plans, opt, masters, world_size, wrap, device))
+        summary["bytes"].update({category: dict(sorted(per_dtype.items()))
+                                 for category, per_dtype in summary.pop("predicted").items()})
+        summary["bytes"]["master"] = {}  # the fp32 shards are the masters
+    return summary
+
+
+def _fsdp_rank0(model: nn.Module, policy: Policy, plans: dict, opt: torch.optim.Optimizer,
+                masters: Optional[MasterWeights], world_size: int, wrap: Sequence[str], device: torch.device
+                ) -> dict[str, Any]:
+    """What rank 0 of `world_size` holds under FSDP (the most of any rank), its units and the gathered peak."""
+    from orchestrator.precision.fsdp import FsdpSettings, plan_units
+    from orchestrator.train.fsdp_memory import gathered_bytes, predict_rank_bytes
+
+    fsdp_plan = plan_units(model, policy, plans, FsdpSettings(wrap=tuple(wrap)), device.type)
+    stepped = masters.optimizer_params(model) if masters else model.parameters()
+    states = {name: sum(1 for value in opt.state[tensor].values() if torch.is_tensor(value) and value.dim() > 0)
+              for (name, _), tensor in zip(model.named_parameters(), stepped)}
+    return {
+        "predicted": predict_rank_bytes(model, fsdp_plan, world_size, rank=0, optimizer_states=states),
+        "gathered_bytes": gathered_bytes(model, fsdp_plan),
+        "units": [{"name": unit.label, "reason": unit.reason, "compute_dtype": dtype_name(unit.compute_dtype),
+                   "storage_dtype": dtype_name(unit.storage_dtype), "params": len(unit.params)}
+                  for unit in fsdp_plan.units],
     }
 
 
@@ -134,6 +173,13 @@ def render(summary: dict[str, Any]) -> str:
     total = sum(sum(per_dtype.values()) for per_dtype in bytes_.values())
     lines += [rule, f"Params size (MB): {_mib(params_bytes)}",
               f"Estimated Total Size (MB): {_mib(total)}  (every category above)", rule]
+    if summary.get("strategy") == "fsdp":
+        lines += [f"FSDP over {summary['world_size']} ranks: params, grads and optimizer are rank 0's shards "
+                  "(the fp32 shards are the masters); activations per rank.",
+                  f"Gathered while a unit computes (the root's and the largest other unit's): "
+                  f"{_mib(summary['gathered_bytes'])} MiB on top.",
+                  *(f"  unit {u['name']:<30} {u['compute_dtype']:>9} computed, {u['storage_dtype']:>9} stored, "
+                    f"{u['params']} parameters ({u['reason']})" for u in summary["units"]), rule]
     return "\n".join(lines)
 
 
@@ -149,13 +195,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-activations", action="store_true",
                         help="skip the forward/backward pass (fast; activations are not measured)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
+                        help="ddp: every rank holds everything; fsdp: rank 0's shards of params, grads, optimizer")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (--strategy fsdp)")
+    parser.add_argument("--wrap", nargs="*", default=[], metavar="GLOB",
+                        help="FSDP units, as scaling.fsdp.wrap (default: each direct child holding parameters)")
     args = parser.parse_args(argv)
     try:
         if args.batch_size < 1:
             raise BadInput(f"--batch-size: must be >= 1, got {args.batch_size}.")
         summary = summarize(args.model, parse_input(args.input), preset=args.precision, optimizer=args.optimizer,
                             batch_size=args.batch_size, num_classes=args.num_classes,
-                            activations=not args.no_activations)
+                            activations=not args.no_activations, strategy=args.strategy,
+                            world_size=args.world_size, wrap=args.wrap)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

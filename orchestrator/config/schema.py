@@ -182,6 +182,10 @@ class PrecisionSection:
     """What a dangerous combination found before training does: `error` (exit 2), `warn`, or `off`."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
+    reduce_dtype: str = "float32"
+    """Under `scaling.strategy: fsdp`: the dtype gradients are reduce-scattered in (`float32`, `bfloat16` or
+    `float16`); each rank's gradient shard is then kept in its parameters' storage dtype. DDP reduces each gradient
+    in its parameter's dtype (see `ddp.comm_hook`)."""
 
 
 @dataclass
@@ -203,6 +207,17 @@ class CallbackSection:
 
 
 @dataclass
+class FsdpSection:
+    """How `scaling.strategy: fsdp` splits the model into units (each gathered, reduced and stored as one group)."""
+
+    wrap: List[str] = field(default_factory=list)
+    """Globs on a module's class name (`Block`) or qualified name (`layers.*`) naming the modules that become FSDP
+    units (each glob the outermost modules it matches); empty: the model's own `fsdp_units` (an attribute or method
+    listing qualified names), else each direct child holding parameters. A module a precision rule gives another
+    dtype than its unit's becomes a unit too; the root always is."""
+
+
+@dataclass
 class ScalingSection:
     num_workers: int = 2
     """Ray Train workers (DDP ranks)."""
@@ -210,6 +225,11 @@ class ScalingSection:
     """Give each worker one GPU (NCCL backend); CPU workers use gloo."""
     resources_per_worker: Dict[str, float] = field(default_factory=dict)
     """Ray resources per worker, e.g. {CPU: 4, GPU: 1}; empty means Ray Train's default (1 CPU, plus 1 GPU with use_gpu)."""
+    strategy: str = "ddp"
+    """`ddp`: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel).
+    `fsdp`: each rank holds a shard of them (FSDP2 `fully_shard`), each unit with the precision policy's dtypes."""
+    fsdp: FsdpSection = field(default_factory=FsdpSection)
+    """FSDP units (with `strategy: fsdp`)."""
 
 
 @dataclass

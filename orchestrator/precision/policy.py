@@ -216,13 +216,15 @@ def mixed_norm_kernel(module: nn.Module, dtype: torch.dtype, device_type: str) -
     return _MIXED_NORM_KERNELS[key]
 
 
-def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_type: Optional[str]) -> nn.Module:
+def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_type: Optional[str], *,
+          cast_params: bool = True) -> nn.Module:
     """Cast each module's own parameters and floating buffers, and install the compute hooks.
 
     `device_type` is the autocast device of training; None for inference without autocast
     (export, on the CPU), where only the input casts are needed. A layer planned to keep its
     neighbours' dtype whose kernel cannot mix dtypes on this device gets its inputs cast instead
-    (its entry in `plans` is updated).
+    (its entry in `plans` is updated). `cast_params=False` (FSDP) leaves the parameters as they are:
+    their shards keep the storage dtype and FSDP gathers them in the planned one.
     """
     autocast = policy.autocast and device_type is not None
     neighbours = policy.compute_dtype if policy.autocast else policy.param_dtype
@@ -233,7 +235,7 @@ def apply(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], device_
         layer = plans[name]
         if layer.keeps_neighbour_dtype and not mixed_norm_kernel(module, neighbours, device_type or "cpu"):
             layer = plans[name] = replace(layer, keeps_neighbour_dtype=False)
-        for param in module.parameters(recurse=False):
+        for param in module.parameters(recurse=False) if cast_params else ():
             param.data = param.data.to(layer.param_dtype)
         for key, buffer in module.named_buffers(recurse=False):
             if buffer.is_floating_point():
