@@ -20,6 +20,8 @@ Imports only the standard library at the top (torch only in `versions`): it runs
 
 import argparse
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -166,16 +168,20 @@ def install(wheel_dirs: list[Path], parts_dir: Optional[Path], site: Path, check
 
 # -- records ------------------------------------------------------------------------------------------------
 
+DISTRIBUTIONS = {"sklearn": "scikit-learn", "pynvml": "nvidia-ml-py"}
+"""Modules whose distribution has another name (for the version of a module without `__version__`)."""
+
+
 def module_version(name: str) -> Optional[str]:
-    """The version of an importable module, its import error in brackets when it is there but fails (a
-    torchvision built for another CUDA), None when it is absent."""
-    if installed(name) is None:
+    """The version of an importable module; `[import fails: ...]` when it is there but does not import (a
+    torchvision built for another CUDA); None when it is absent."""
+    if importlib.util.find_spec(name) is None:
         return None
     try:
-        module = __import__(name)
+        module = importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001: a package that cannot import is what this record must show
-        return f"{installed(name)} [import fails: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}]"
-    return getattr(module, "__version__", installed(name))
+        return f"[import fails: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}]"
+    return str(getattr(module, "__version__", None) or installed(DISTRIBUTIONS.get(name, name)))
 
 
 def nvidia_smi() -> Optional[str]:
@@ -273,7 +279,7 @@ def summary(steps_tsv: Path, dry_run: bool) -> dict[str, Any]:
             row = dict(zip(STEP_FIELDS, line.split("\t")))
             row["rc"], row["seconds"], row["timeout_s"] = int(row["rc"]), float(row["seconds"]), int(row["timeout_s"])
             row["json"] = row["json"] or None
-            if row["status"] == "skipped":  # a skipped step's last column says why
+            if row["status"] in ("skipped", "no_time"):  # a step not run: the last column says why
                 row["why"], row["command"] = row.pop("command"), None
             steps.append(row)
     failed = [s["name"] for s in steps if s["status"] not in ("ok", "skipped")]
