@@ -13,7 +13,9 @@ turns that off for both).
   own end-of-epoch report (`perf/samples_per_s` over the epoch's steps; evaluation and checkpoints come only
   after the last epoch, reporting is left out of the window by the loop).
 - `hand`: one function in this file, written as a user would without ampflow: the same network and weights'
-  seed, the data as one tensor on the GPU, a `randperm` per epoch, `GradScaler` on fp32 master copies.
+  seed, the data as one tensor on the GPU, a `randperm` per epoch, `GradScaler` on fp32 master copies. Its
+  GradScaler hands the scale to the fused SGD, which unscales and skips in its kernel without a host sync;
+  ours reads its overflow flags once per step (guardrails, skip counters): part of what is measured.
 
 Data: CIFAR-10's size and shape, synthetic (50,000 3x32x32 samples of 10 classes per epoch by default):
 the files cannot be had without a network, and the values do not change the time of an epoch. No
