@@ -71,6 +71,11 @@ selected() {  # is step $1 to run?
   return 1
 }
 
+if [ "$DRY_RUN" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "error: torch sees no CUDA device here ($PY). The visit is for a CUDA machine; on a CPU run" \
+       "bench/gpu_visit.sh --dry-run" >&2
+  exit 2
+fi
 mkdir -p "$OUT_DIR/logs" || exit 2
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOGS="$OUT_DIR/logs"
@@ -91,14 +96,8 @@ if [ "$DRY_RUN" = 1 ]; then
       > "$ABSENT/$module/__init__.py"
   done
   export PYTHONPATH="$ABSENT:$PYTHONPATH"
-  SCALE=1
 else
   DEVICE=cuda
-  if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "error: torch sees no CUDA device here ($PY). The visit is for a CUDA machine; on a CPU run" \
-         "bench/gpu_visit.sh --dry-run" >&2
-    exit 2
-  fi
 fi
 
 now() { date +%s.%N; }

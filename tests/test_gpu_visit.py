@@ -102,6 +102,15 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_without_cuda_the_visit_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "visit"
+    done = subprocess.run(["bash", str(SCRIPT), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 2 and "no CUDA device" in done.stderr and "--dry-run" in done.stderr
+    assert not out.exists()
+
+
 def test_steps_past_the_deadline_are_recorded_as_not_started(tmp_path):
     out = tmp_path / "visit"
     done = visit(out, "--only", "gpu_amp", "--deadline", "0", timeout=120)
