@@ -78,11 +78,12 @@ def test_gpu_amp_skips_cleanly_without_cuda(tmp_path):
     assert json.loads(out.read_text())["skipped"] == "no CUDA device"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_amp_harness(tmp_path):
     done, record = run_harness("gpu_amp", tmp_path)
     check_record(done, record, "gpu_amp", {f"{d}_{kind}_{layout}" for d in ("fp16", "bf16")
-                                           for kind in ("speedup", "peak_memory")
+                                           for kind in ("speedup", "peak_memory", "speedup_vs_tf32")
                                            for layout in ("nchw", "channels_last")})
 
 
