@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from orchestrator.train.report import Report
 
 HARNESS = "visit_quickstart"
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml"
@@ -30,17 +31,13 @@ SCALE_KEYS = ("amp/loss_scale", "amp/skipped_steps", "amp/consecutive_skips", "a
               "amp/nan_loss_steps", "amp/rank_disagreements", "amp/skip_rate")
 
 
-def report_parts(report: Any) -> tuple[dict[str, float], dict[str, Any], dict[str, str]]:
-    """(scalar metrics, tables, tags) of one report of the loop: the one place here that knows its shape.
-
-    A report is a plain dict today, numbers beside lists (`precision/audit`, `memory/breakdown`,
-    `amp/overflow_log`, `system_samples`) and `tags`. With a typed Report (a dataclass with `.metrics`,
-    `.tables`, `.tags`) this function becomes `return dict(report.metrics), dict(report.tables), dict(report.tags)`.
-    """
-    metrics = {key: float(value) for key, value in report.items()
-               if isinstance(value, (int, float)) and not isinstance(value, bool)}
-    tables = {key: value for key, value in report.items() if isinstance(value, (list, dict)) and key != "tags"}
-    return metrics, tables, dict(report.get("tags") or {})
+def report_parts(report: Report) -> tuple[dict[str, float], dict[str, Any], dict[str, str]]:
+    """(metrics, tables, tags) of one report of the loop (`orchestrator.train.report.Report`), with its overflow
+    records as the `amp/overflow_log` table, as the driver logs them."""
+    tables = dict(report.tables)
+    if report.overflow_records:
+        tables["amp/overflow_log"] = list(report.overflow_records)
+    return dict(report.metrics), tables, dict(report.tags)
 
 
 def audit_mismatches(audit: list[dict[str, Any]]) -> list[dict[str, Any]]:
