@@ -14,6 +14,7 @@ from orchestrator.errors import BadInput, Interrupted
 from orchestrator.runner import driver, ray_start, records
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import load_job
+from orchestrator.train.report import Report
 
 from conftest import small_job
 
@@ -201,7 +202,7 @@ def test_the_console_s_final_line_is_the_last_step_even_when_it_reached_the_rela
 
     class ReportsAtTheEnd(_FakeTrainer):
         def fit(self):
-            queue.append(({"step": 4, "epoch": 1, "epochs": 1, "total_steps": 4, "train/loss": 0.5, "seq": 1}, []))
+            queue.append(Report(seq=1, step=4, epoch=1, epochs=1, total_steps=4, metrics={"train/loss": 0.5}))
             return _FakeResult()
 
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(QueueRelay))
@@ -255,7 +256,7 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
     real_start_run = driver._start_run
 
     def start_run(*args, **kwargs):
-        seen["ray_was_starting"] = ray_starting.wait(10)
+        seen["ray_was_starting"] = ray_starting.wait(60)  # bounds on a busy machine; each returns once set
         tracker = real_start_run(*args, **kwargs)
         run_created.set()
         return tracker
@@ -263,7 +264,7 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
     def init_ray(address, module_sources):
         seen["on_the_main_thread"] = threading.current_thread() is threading.main_thread()
         ray_starting.set()
-        seen["run_created_meanwhile"] = run_created.wait(10)
+        seen["run_created_meanwhile"] = run_created.wait(60)
         return False, None
 
     monkeypatch.setattr(driver, "_start_run", start_run)
