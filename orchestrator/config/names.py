@@ -5,6 +5,8 @@ The registries that build what these names mean (`orchestrator.train.models`, `.
 keyed by these tuples; `tests/test_package.py` checks that they agree.
 """
 
+import inspect
+
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.errors import BadInput
 
@@ -79,8 +81,6 @@ CALLBACK_METHODS = ("setup", "before_step", "after_backward", "after_step", "end
 def check_callbacks(callbacks) -> None:
     """Each callback resolves to a class (or factory) of the user's, has at least one hook method, and takes its
     kwargs (checked against its signature; nothing is called)."""
-    import inspect
-
     for index, spec in enumerate(callbacks):
         where = f"callbacks[{index}]"
         target = resolve_import_path(spec.name, f"{where}.name", kind="callback")
