@@ -132,8 +132,10 @@ class TrainingLoop:
             if self.checkpoint_report is not None:  # a resumed run first sends again what may not be logged
                 self.session.report(self.outbox.resent(self, self.checkpoint_report, self.resume_warnings).to_wire())
             self.train()
-        finally:
-            self.hooks.call("teardown", self)
+        except BaseException:
+            self.hooks.call_every("teardown", self)  # every hook's; the error that ended training is raised
+            raise
+        self.hooks.call("teardown", self)
         return self.training
 
     def train(self) -> None:

@@ -21,6 +21,7 @@ The loop's own attributes a hook may read: `loop.training` (model, optimizer, pr
 `loop.rank`, `loop.world_size`, `loop.device`, `loop.global_step`, `loop.steps_per_epoch`, `loop.total_steps`.
 """
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -74,6 +75,18 @@ class Hooks:
             function = getattr(hook, method, None)
             if function is not None:
                 function(*args)
+
+    def call_every(self, method: str, *args: Any) -> None:
+        """Call `method` on every hook even when one raises (teardown after a failure); what they raise is
+        printed, not raised: the failure that got here is the one the run reports."""
+        for hook in self.hooks:
+            function = getattr(hook, method, None)
+            try:
+                if function is not None:
+                    function(*args)
+            except Exception as exc:
+                print(f"warning: {hook_name(hook)} also raised in {method}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
 
     def state_dicts(self) -> dict[str, Any]:
         """Each hook's checkpoint state, by hook name (hooks without state are left out)."""
