@@ -56,10 +56,12 @@ def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_pat
 
 def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_session, tmp_path, write_job,
                                                                          mlflow_uri, monkeypatch):
-    """Scored by the lowest eval/loss, with a learning rate high enough that the last epoch is not the best
-    (this job's losses: about 2.2, 1.9, 4.2): the logged model has the best checkpoint's weights, not the final
-    ones, and the run says from which step. With `tracking.register_model` that model is version 1 of the
-    registered name, tagged with the preset, the run and its final metrics."""
+    """Scored by the lowest eval/loss, evaluated every 2 steps (`run.eval_every_n_steps`) with a checkpoint every
+    step, mid-epoch included, and a learning rate high enough that the last evaluation is not the best: the
+    checkpoints without an evaluation never displace evaluated ones (storage ends with the 2 best evaluated and
+    the newest, `num_to_keep` 2), the logged model has the best checkpoint's weights, not the final ones, and the
+    run says from which step. With `tracking.register_model` that model is version 1 of the registered name,
+    tagged with the preset, the run and its final metrics."""
     from mlflow import MlflowClient
 
     from orchestrator.cli.submit import main
@@ -67,10 +69,11 @@ def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_sess
     from orchestrator.train.checkpoint import read_checkpoint
 
     storage = tmp_path / "ray_results"
-    job = write_job(small_job(precision={"preset": "O0"}, run={"name": "best", "epochs": 3, "max_steps_per_epoch": 4},
+    job = write_job(small_job(precision={"preset": "O0"},
+                              run={"name": "best", "epochs": 3, "max_steps_per_epoch": 4, "eval_every_n_steps": 2},
                               tracking={"uri": mlflow_uri, "experiment": "best", "log_model": True,
                                         "register_model": "digits-best"},
-                              checkpoint={"storage_path": str(storage), "num_to_keep": 3,
+                              checkpoint={"storage_path": str(storage), "num_to_keep": 2, "every_n_steps": 1,
                                           "score_metric": "eval/loss", "score_mode": "min"}))
     monkeypatch.chdir(tmp_path)
     assert main([str(job)]) == 0
@@ -78,11 +81,12 @@ def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_sess
     (run,) = client.search_runs([client.get_experiment_by_name("best").experiment_id])
     losses = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/loss")}
     best = min(losses, key=losses.get)
-    assert list(losses) == [4, 8, 12] and best != 12, f"the last epoch must not be the best here: {losses}"
+    assert sorted(losses) == [2, 4, 6, 8, 10, 12] and best != 12, f"the last evaluation must not be the best: {losses}"
     assert run.data.tags["best_checkpoint_step"] == str(best)
 
-    logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model().state_dict()
     checkpoints = {int(p.name.split("_")[1]): p for p in (storage / "best").glob("checkpoint_0*")}
+    assert set(checkpoints) == {*sorted(losses, key=losses.get)[:2], 12}, f"kept {sorted(checkpoints)}: {losses}"
+    logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model().state_dict()
     chosen, last = read_checkpoint(checkpoints[best], rank=0).model, read_checkpoint(checkpoints[12], rank=0).model
     for name, weight in chosen.items():
         torch.testing.assert_close(logged[name], weight, rtol=0, atol=0, msg=name)
