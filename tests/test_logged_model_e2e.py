@@ -11,10 +11,11 @@ pytestmark = pytest.mark.slow
 def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_path, write_job, mlflow_uri,
                                                              monkeypatch, capsys):
     """Also: a registry that refuses `tracking.register_model` costs a warning, and the run still ends FINISHED
-    with its model logged."""
+    with its model logged; `orchestrator.predict(run_id, batch)` gives the trained model's outputs."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    from orchestrator import predict
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
     from orchestrator.tracking.tracker import RunTracker
@@ -52,6 +53,8 @@ def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_pat
         expected, in_batch, alone = trained(batch), logged(batch), logged(batch[:1])
     torch.testing.assert_close(in_batch, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(alone, in_batch[:1], rtol=1e-4, atol=1e-5)  # no batch statistics
+    predicted = predict(run.info.run_id, batch, tracking_uri=mlflow_uri)  # as trained: fp32 (O0), eval mode
+    torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_session, tmp_path, write_job,
