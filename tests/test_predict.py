@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_mains
+from conftest import REPO
 from orchestrator.errors import BadInput
 
 CPU = torch.device("cpu")
@@ -125,32 +125,33 @@ def test_a_model_logged_pickled_is_refused_never_unpickled(logged, tmp_path):
         predict(f"runs:/{run_id}/model_pickled", torch.zeros(1, 3, 32, 32), tracking_uri=uri)
 
 
-def test_the_command_writes_predictions_and_refuses_bad_input_with_exit_2(logged, tmp_path):
+def test_the_command_writes_predictions_and_refuses_bad_input_with_exit_2(logged, tmp_path, capsys):
+    from orchestrator.cli.ampflow import main
     from orchestrator.runner.predict import load
     from orchestrator.train.data import build_datasets
 
     uri, run_id, cfg, _ = logged
     torch.save(datetime.date(2026, 1, 1), tmp_path / "planted.pt")  # an object: only a pickle can hold it
     np.save(tmp_path / "rows.npy", np.random.default_rng(0).standard_normal((6, 3, 32, 32), dtype=np.float32))
-    common = ["--tracking-uri", uri]
-    results = run_mains("orchestrator.cli.ampflow", {
-        "eval": ["predict", run_id, "--output", str(tmp_path / "eval.npy"), *common],
-        "rows": ["predict", run_id, "--data", str(tmp_path / "rows.npy"), "--output", str(tmp_path / "rows.pt"),
-                 "--batch-size", "4", *common],
-        "no_run": ["predict", "0123456789abcdef", "--output", str(tmp_path / "x.pt"), *common],
-        "bad_output": ["predict", run_id, "--output", str(tmp_path / "x.csv"), *common],
-        "pickle_input": ["predict", run_id, "--data", str(tmp_path / "planted.pt"), "--output",
-                         str(tmp_path / "x.pt"), *common],
-    }, tmp_path)
-    assert results["eval"]["rc"] == 0, results["eval"]["stderr"]
+
+    def predict(*args: str) -> tuple[int, str]:
+        code = main(["predict", *args, "--tracking-uri", uri])
+        return code, capsys.readouterr().err
+
+    assert predict(run_id, "--output", str(tmp_path / "eval.npy")) == (0, "")
     eval_rows = len(build_datasets(cfg.data, cfg.model.num_classes)[1])
     assert np.load(tmp_path / "eval.npy").shape == (eval_rows, 10)
-    assert results["rows"]["rc"] == 0, results["rows"]["stderr"]
+    assert predict(run_id, "--data", str(tmp_path / "rows.npy"), "--output", str(tmp_path / "rows.pt"),
+                   "--batch-size", "4") == (0, "")
     rows = torch.load(tmp_path / "rows.pt", weights_only=True)
     assert rows.shape == (6, 10) and rows.dtype == torch.bfloat16
-    expected = load(run_id, uri)(torch.from_numpy(np.load(tmp_path / "rows.npy")))
-    assert torch.equal(rows, expected)
-    for name, message in (("no_run", "0123456789abcdef: no logged model at runs:/0123456789abcdef/model"),
-                          ("bad_output", "--output: "), ("pickle_input", "--data: cannot read")):
-        assert results[name]["rc"] == 2 and results[name]["stderr"].startswith("error: ") and \
-            message in results[name]["stderr"], (name, results[name]["stderr"])
+    assert torch.equal(rows, load(run_id, uri)(torch.from_numpy(np.load(tmp_path / "rows.npy"))))
+
+    for args, message in (
+            (["0123456789abcdef"], "0123456789abcdef: no logged model at runs:/0123456789abcdef/model"),
+            ([run_id, "--data", str(tmp_path / "planted.pt")], "--data: cannot read"),
+            ([run_id, "--data", "train"], "--data: train is neither 'eval' nor a .pt or .npy file")):
+        code, err = predict(*args, "--output", str(tmp_path / "x.pt"))
+        assert code == 2 and err.startswith("error: ") and message in err, err
+    assert predict(run_id, "--output", str(tmp_path / "x.csv"))[1].startswith("error: --output: ")
+    assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.csv").exists()

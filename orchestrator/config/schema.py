@@ -275,8 +275,8 @@ class RunSection:
     """Evaluate on the held-out split every N epochs (and always after the last)."""
     eval_every_n_steps: Optional[int] = None
     """Also evaluate every N optimizer steps, mid-epoch included, logged with that step's report (Lightning's
-    `val_check_interval`); a checkpoint taken at that step is scored by it (`checkpoint.score_metric`). Null: at
-    epoch ends only."""
+    `val_check_interval`); a checkpoint taken at that step is scored by it (`checkpoint.score_metric`). Early
+    stopping watches the evaluations at epoch ends. Null: at epoch ends only."""
     max_steps_per_epoch: Optional[int] = None
     """Stop each epoch after this many steps (for smoke runs); None trains on the whole shard."""
     freeze_norm: bool = False
