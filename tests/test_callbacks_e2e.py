@@ -103,4 +103,3 @@ def test_a_rank_zero_callback_that_raises_ends_the_run_promptly_failed_naming_it
     # Ray Train sees rank 0 fail at its next health check (every 0.5 s here, 2 s by default) and stops rank 1
     # where it waits; what remains is closing the MLflow run and Ray's shutdown.
     assert ended < 30, f"the run took {ended:.0f}s to end after the callback raised"
-    print(f"ended {ended:.1f}s after the callback raised")

@@ -231,7 +231,7 @@ class TrainingLoop:
         report.seq = self.seq
         self.hooks.call("collect", self, report)
         score = self.cfg.checkpoint.score_metric
-        if checkpoint_at is not None and score is not None:  # after the hooks: a callback's metric can score
+        if checkpoint_at is not None and score is not None:
             report.checkpoint_score = checkpoint_score(report.metrics, score, self.cfg.checkpoint.score_mode)
         if checkpoint_at is None:
             self.session.report(report.to_wire())

@@ -43,7 +43,7 @@ class Report:
     """Printed on the driver's console (and tagged on the run)."""
     checkpoint_score: Optional[float] = None
     """With `checkpoint.score_metric`, on a report with a checkpoint: what Ray Train ranks the checkpoint by
-    (`checkpoint_score`)."""
+    (`CHECKPOINT_SCORE`, `checkpoint_score()`)."""
     replay: list["Report"] = field(default_factory=list)
     """Reports of a resumed run that the previous driver may not have logged, sent again, oldest first."""
 
