@@ -35,9 +35,10 @@ def read_inputs(path: Path) -> Any:
         raise BadInput(f"--data: cannot read {path} ({type(exc).__name__}: {exc}).") from None
     if isinstance(loaded, torch.Tensor) and loaded.dim() >= 1:
         return TensorDataset(loaded)
-    if isinstance(loaded, dict) and loaded and all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in loaded.values()) \
-            and len({v.shape[0] for v in loaded.values()}) == 1:
-        rows = next(iter(loaded.values())).shape[0]
+    columns = list(loaded.values()) if isinstance(loaded, dict) else []
+    if columns and all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in columns) \
+            and len({v.shape[0] for v in columns}) == 1:
+        rows = columns[0].shape[0]
         return [{key: value[index] for key, value in loaded.items()} for index in range(rows)]
     raise BadInput(f"--data: {path} holds a {type(loaded).__name__}, not a tensor or a dict of tensors with one row "
                    "per input.")
@@ -70,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("model", help="a run id (its model `model`), or a model URI: runs:/RUN_ID/model_bfloat16, "
                                       "models:/NAME/VERSION")
     parser.add_argument("--data", default="eval", help="'eval' (the run's eval split, default), or a .pt file (a "
-                                                       "tensor or a dict of tensors) or .npy file of inputs, one row each")
+                        "tensor or a dict of tensors) or .npy file of inputs, one row each")
     parser.add_argument("--output", required=True, type=Path, help="where the outputs go: .pt or .npy")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the GPU when there is one)")

@@ -76,7 +76,7 @@ class Report:
 
 
 CHECKPOINT_SCORE = "checkpoint_score"
-"""The key of a report's wire form Ray Train scores its checkpoint by (`CheckpointConfig.checkpoint_score_attribute`)."""
+"""The key of a report's wire form Ray Train scores its checkpoint by (`checkpoint_score_attribute`)."""
 
 UNSCORED = sys.float_info.max
 """How far from any real score an unscored checkpoint is put: finite, because Ray Train keeps its checkpoint
