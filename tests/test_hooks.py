@@ -180,12 +180,12 @@ def test_a_callback_that_raises_when_built_fails_the_run_naming_it(write_job, tm
 
 
 def test_the_weight_average_example_evaluates_beside_the_model_and_resumes_exactly(write_job, tmp_path, monkeypatch):
-    """examples/callbacks/ema.py: `ema/eval/*` beside `eval/*` at each epoch's end, the average in every
-    checkpoint; a run resumed from the first epoch's checkpoint ends with the same average as one that never
+    """examples/callbacks (its job and ema.py): `ema/eval/*` beside `eval/*` at each epoch's end, the average in
+    every checkpoint; a run resumed from the first epoch's checkpoint ends with the same average as one that never
     stopped."""
     monkeypatch.syspath_prepend(str(REPO / "examples" / "callbacks"))
-    cfg = job(write_job, run={"epochs": 2, "max_steps_per_epoch": 3},
-              callbacks=[{"name": "ema:WeightAverage", "kwargs": {"decay": 0.5}}])
+    cfg = load_job(REPO / "examples" / "callbacks" / "job.yaml",  # the example's own job, on one rank
+                   ["scaling.num_workers=1", "run.epochs=2", "run.max_steps_per_epoch=3"])
     straight = LocalSession(0, 1, CPU, tmp_path / "straight")
     TrainingLoop(cfg, straight).run()
     ends = [r for r in straight.reports if "eval/loss" in r.metrics]
