@@ -30,6 +30,7 @@ CASES = {
     "zero_workers": (small_job(scaling={"num_workers": 0}), [], "scaling.num_workers: must be >= 1"),
     "negative_workers": (small_job(), ["scaling.num_workers=-2"], "scaling.num_workers: must be >= 1"),
     "batch_size_zero": (small_job(run={"batch_size": 0}), [], "run.batch_size: must be >= 1"),
+    "eval_every_zero_steps": (small_job(), ["run.eval_every_n_steps=0"], "run.eval_every_n_steps: must be >= 1"),
     "lr_nan": (small_job(), ["optim.lr=nan"], "optim.lr: must be a finite number"),
     "lr_inf": (small_job(), ["optim.lr=inf"], "optim.lr: must be a finite number"),
     "system_metrics_interval_negative": (small_job(), ["tracking.system_metrics_interval_s=-1"],

@@ -293,6 +293,10 @@ class RunSection:
     """Base seed; rank r seeds its RNGs with seed + r."""
     eval_every_n_epochs: int = 1
     """Evaluate on the held-out split every N epochs (and always after the last)."""
+    eval_every_n_steps: Optional[int] = None
+    """Also evaluate every N optimizer steps, mid-epoch included, logged with that step's report (Lightning's
+    `val_check_interval`); a checkpoint taken at that step is scored by it (`checkpoint.score_metric`). Early
+    stopping watches the evaluations at epoch ends. Null: at epoch ends only."""
     max_steps_per_epoch: Optional[int] = None
     """Stop each epoch after this many steps (for smoke runs); None trains on the whole shard."""
     freeze_norm: bool = False
@@ -343,8 +347,10 @@ class CheckpointSection:
     """Ray Train storage (local dir or URI); defaults to <submit dir>/ray_results."""
     score_metric: Optional[str] = None
     """Keep and log the best checkpoint by this evaluation metric (`eval/loss`, `eval/<metric>`), not the newest:
-    the `num_to_keep` best are kept (and always the newest, to resume from); the logged model is the best one.
-    Null: the newest checkpoints are kept and the final model is logged."""
+    the `num_to_keep` best of the checkpoints taken with an evaluation are kept, and always the newest, to resume
+    from (a checkpoint without an evaluation, mid-epoch or between `run.eval_every_n_epochs`, is kept only while
+    it is the newest); the logged model is the best one. Null: the newest checkpoints are kept and the final
+    model is logged."""
     score_mode: str = "max"
     """`max`: a higher `score_metric` is better; `min`: lower is better."""
 

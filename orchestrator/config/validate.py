@@ -41,6 +41,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.run.epochs >= 1, "run.epochs", f"must be >= 1, got {cfg.run.epochs}.")
     r(cfg.run.batch_size >= 1, "run.batch_size", f"must be >= 1, got {cfg.run.batch_size}.")
     r(cfg.run.eval_every_n_epochs >= 1, "run.eval_every_n_epochs", "must be >= 1.")
+    every = cfg.run.eval_every_n_steps
+    r(every is None or every >= 1, "run.eval_every_n_steps", f"must be >= 1 or null, got {every}.")
     steps = cfg.run.max_steps_per_epoch
     r(steps is None or steps >= 1, "run.max_steps_per_epoch", f"must be >= 1 or null, got {steps}.")
 
@@ -104,11 +106,6 @@ def validate(cfg: DictConfig, source: str) -> None:
       f"'{score}' is not an evaluation metric: use eval/loss or eval/<one of task.metrics>.")
     r(cfg.checkpoint.score_mode in ("min", "max"), "checkpoint.score_mode",
       f"must be min or max, got '{cfg.checkpoint.score_mode}'.")
-    r(score is None or cfg.checkpoint.every_n_steps is None, "checkpoint.score_metric",
-      "mid-epoch checkpoints (checkpoint.every_n_steps) carry no evaluation to be scored by: set one of the two.")
-    r(score is None or cfg.checkpoint.every_n_epochs % cfg.run.eval_every_n_epochs == 0, "checkpoint.score_metric",
-      "every checkpoint must follow an evaluation: make checkpoint.every_n_epochs a multiple of "
-      "run.eval_every_n_epochs.")
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
     r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")

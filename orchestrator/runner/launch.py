@@ -8,7 +8,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.memory import allocator_env
-from orchestrator.train.report import score_attribute
+from orchestrator.train.report import CHECKPOINT_SCORE
 
 
 def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
@@ -41,8 +41,8 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
         storage_path=storage_path,
         failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep,
-                                           checkpoint_score_attribute=score_attribute(cfg.checkpoint.score_metric)
-                                           if cfg.checkpoint.score_metric else None,
+                                           checkpoint_score_attribute=CHECKPOINT_SCORE if cfg.checkpoint.score_metric
+                                           else None,
                                            checkpoint_score_order=cfg.checkpoint.score_mode),
         callbacks=callbacks,
         worker_runtime_env=worker_env(cfg, worker_runtime_env),

@@ -3,8 +3,9 @@
 `TrainingLoop(cfg, session)` builds everything it uses: the data shards, the newest checkpoint every
 rank can read, the model under its precision with its optimizer and schedule, the loss window and the
 hooks. `run()` then trains: each epoch is steps (`train_step`), a report every
-`tracking.log_every_n_steps` steps and a mid-epoch checkpoint every `checkpoint.every_n_steps`, then
-`end_epoch` (evaluation, the epoch's report, a checkpoint; early stopping may end the run there).
+`tracking.log_every_n_steps` steps, an evaluation every `run.eval_every_n_steps` and a mid-epoch checkpoint
+every `checkpoint.every_n_steps` (each in that step's report), then `end_epoch` (evaluation, the epoch's
+report, a checkpoint; early stopping may end the run there).
 
 Everything else happens in hooks (`orchestrator.train.hooks`): the precision audit, the memory ledger,
 the loss-scale telemetry, collapse recovery, system metrics, the replay outbox, and the job's own
@@ -40,7 +41,7 @@ from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
-from orchestrator.train.report import Report
+from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
@@ -132,8 +133,10 @@ class TrainingLoop:
             if self.checkpoint_report is not None:  # a resumed run first sends again what may not be logged
                 self.session.report(self.outbox.resent(self, self.checkpoint_report, self.resume_warnings).to_wire())
             self.train()
-        finally:
-            self.hooks.call("teardown", self)
+        except BaseException:
+            self.hooks.call_every("teardown", self)  # every hook's; the error that ended training is raised
+            raise
+        self.hooks.call("teardown", self)
         return self.training
 
     def train(self) -> None:
@@ -146,11 +149,15 @@ class TrainingLoop:
                 self.global_step += 1
                 self.train_step(Step(self.global_step, epoch, index, batches))
                 log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
-                if log_due or self.checkpoint_due(index):
+                eval_due = self.due_mid_epoch(cfg.run.eval_every_n_steps, index)
+                checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index)
+                if log_due or eval_due or checkpoint_due:
                     report = self.new_report(epoch)
                     if log_due:
                         report.metrics.update(self.read_window())
-                    self.send(report, (epoch, index + 1) if self.checkpoint_due(index) else None)
+                    if eval_due:
+                        report.metrics.update(self.evaluation())
+                    self.send(report, (epoch, index + 1) if checkpoint_due else None)
             if self.end_epoch(epoch):  # early stopping: the run ends here, finished
                 break
 
@@ -178,8 +185,10 @@ class TrainingLoop:
         if self.window.samples:
             report.metrics.update(self.read_window())
         stop = False
-        if last or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
-            report.metrics.update(evaluate(self.training, self.eval_loader, self.device))
+        every_n_steps = cfg.run.eval_every_n_steps
+        if (last or (epoch + 1) % cfg.run.eval_every_n_epochs == 0
+                or (every_n_steps is not None and self.global_step % every_n_steps == 0)):
+            report.metrics.update(self.evaluation())
             stop = not last and self.stopping is not None and self.stopping.should_stop(report.metrics)
         self.hooks.call("end_epoch", self, report)
         if stop:
@@ -188,11 +197,17 @@ class TrainingLoop:
         self.send(report, (epoch, self.steps_per_epoch) if checkpoint_due else None)
         return stop
 
-    def checkpoint_due(self, index: int) -> bool:
-        """A mid-epoch checkpoint is due after step `index` of the epoch (the epoch's last step is checkpointed
-        after its evaluation, by `end_epoch`)."""
-        every = self.cfg.checkpoint.every_n_steps
+    def due_mid_epoch(self, every: Optional[int], index: int) -> bool:
+        """Whether something done `every` N steps (a checkpoint, an evaluation) is due after step `index` of the
+        epoch; never after its last step: `end_epoch` does it there."""
         return every is not None and self.global_step % every == 0 and index + 1 < self.steps_per_epoch
+
+    def evaluation(self) -> dict[str, float]:
+        """`eval/*` over every rank's shard of the eval set; its time is left out of `perf/samples_per_s`."""
+        began = time.perf_counter()
+        metrics = evaluate(self.training, self.eval_loader, self.device)
+        self.window.exclude_since(began)
+        return metrics
 
     def read_window(self) -> dict[str, float]:
         """The loss window, reduced over all ranks and reset; a non-finite loss there fails as configured."""
@@ -215,6 +230,9 @@ class TrainingLoop:
         self.seq += 1
         report.seq = self.seq
         self.hooks.call("collect", self, report)
+        score = self.cfg.checkpoint.score_metric
+        if checkpoint_at is not None and score is not None:
+            report.checkpoint_score = checkpoint_score(report.metrics, score, self.cfg.checkpoint.score_mode)
         if checkpoint_at is None:
             self.session.report(report.to_wire())
         else:
