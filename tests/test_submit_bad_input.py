@@ -43,7 +43,7 @@ CASES = {
     "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), [], "8192 CPU (2 workers x 4096)"),
     "mlflow_unreachable": (small_job(tracking={"uri": "http://127.0.0.1:9"}), [], "cannot be reached"),
     # Your own task: nothing assumes classification where the loss is not one.
-    "accuracy_with_mse": (small_job(task={"loss": "mse"}), [], "task.metrics: 'accuracy' needs class scores"),
+    "accuracy_with_mse": (small_job(task={"loss": "mse"}), [], "task.metrics[0]: 'accuracy' needs class scores"),
     "export_needs_classes": (small_job(task={"loss": "mse", "metrics": []}, export={"dtype": "float16"}), [],
                              "export.dtype: the export is checked by its accuracy drop"),
     "unknown_loss": (small_job(task={"loss": "hinge"}), [], "task.loss: unknown loss 'hinge'"),

@@ -264,12 +264,16 @@ class RunTracker:
         from mlflow.types import Schema, TensorSpec
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-        def spec(dtype: str, shape: list[int]) -> Schema:
-            return Schema([TensorSpec(np.dtype(dtype), (-1, *shape))])
+        def spec(dtype: str, shape: list[int], name: Optional[str] = None) -> TensorSpec:
+            return TensorSpec(np.dtype(dtype), (-1, *shape), name)
 
         inputs = []
         for d in datasets:
-            schema = TensorDatasetSchema(spec(d.input_dtype, d.input_shape), spec(d.target_dtype, d.target_shape))
+            named = len(d.inputs) > 1 or any(name is not None for name, _, _ in d.inputs)
+            features = Schema([spec(dtype, shape, (name or f"input_{i}") if named else None)
+                               for i, (name, dtype, shape) in enumerate(d.inputs)] or [spec("float32", [])])
+            targets = Schema([spec(d.target_dtype, d.target_shape)]) if d.target_dtype is not None else None
+            schema = TensorDatasetSchema(features, targets)
             profile = {"num_samples": d.num_samples, "sample_shape": d.input_shape}
             entity = Dataset(d.name, d.digest, d.source_type, redact(d.source), json.dumps(schema.to_dict()),
                              json.dumps(profile))

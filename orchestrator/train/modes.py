@@ -1,8 +1,9 @@
 """Train/eval modes belong to the user: what we run restores them, and `run.freeze_norm` pins norms to eval.
 
 A module the user put in eval mode (a frozen BatchNorm when fine-tuning) must still be in eval
-mode after an evaluation, an export or a summary; `eval_mode` restores every module's own flag
-rather than calling `model.train()` on the whole tree.
+mode after an evaluation, an export or a summary. `eval_mode` calls the model's own `eval()` and, after,
+its own `train()` (so a model overriding them, e.g. keeping its norm layers in eval mode as mmdetection's
+`norm_eval` does, runs its override both ways), then restores every module's own flag as it was.
 """
 
 from contextlib import contextmanager
@@ -15,12 +16,15 @@ from orchestrator.precision.policy import NORM_TYPES
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """The model in eval mode inside; afterwards each module's training flag is what it was before."""
+    """The model in eval mode inside (its own `eval()`); afterwards its own `train()` when it was training, and each
+    module's training flag what it was before."""
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         yield model
     finally:
+        if flags[0][1]:
+            model.train()
         for module, training in flags:
             module.training = training
 
