@@ -4,6 +4,7 @@ A module the user put in eval mode (a frozen BatchNorm when fine-tuning) must st
 mode after an evaluation, an export or a summary. `eval_mode` calls the model's own `eval()` and, after,
 its own `train()` (so a model overriding them, e.g. keeping its norm layers in eval mode as mmdetection's
 `norm_eval` does, runs its override both ways), then restores every module's own flag as it was.
+`train_mode` starts training the same way: the model's own `train()`, and what the user froze stays frozen.
 """
 
 from contextlib import contextmanager
@@ -27,6 +28,17 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             model.train()
         for module, training in flags:
             module.training = training
+
+
+def train_mode(model: nn.Module) -> nn.Module:
+    """The model in training mode by its own `train()` (an override runs: norm layers kept in eval mode,
+    mmdetection's `norm_eval`); a module the user put in eval mode before (a BatchNorm frozen in the constructor)
+    stays in eval mode."""
+    frozen = [module for module in model.modules() if not module.training]
+    model.train()
+    for module in frozen:
+        module.training = False
+    return model
 
 
 def freeze_norm(model: nn.Module) -> int:

@@ -19,7 +19,7 @@ from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
 from orchestrator.train.batch import Batch
 from orchestrator.train.models import build_model
-from orchestrator.train.modes import freeze_norm
+from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap, ddp_wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler
 from orchestrator.train.state import TrainState
@@ -103,7 +103,7 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     if state is not None:
         model.load_state_dict(state.model)
     memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
-    model.train()  # the model's own train(): an override (norm layers kept in eval, mmdetection's norm_eval) runs
+    train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so
     if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
         freeze_norm(model)
     model.to(device, memory_format=memory_format)  # before masters: their copies keep the layout
