@@ -69,15 +69,21 @@ def eval_batches(cfg, dataset, batch_size: int = 256) -> Batches:
                    BatchLayout.from_task(cfg.task))
 
 
+def input_example(cfg, dataset, batches: int = 16) -> InputExample:
+    """The exported model's input example and the dims that vary, from the first samples of `dataset` in batches
+    of two (a padded length varies between small batches; all of the eval set in one batch would hide it)."""
+    example = InputExample()
+    for _, batch in zip(range(batches), eval_batches(cfg, dataset, batch_size=2)):
+        example.observe(batch)
+    return example
+
+
 @torch.no_grad()
-def accuracy(model: nn.Module, batches, device: torch.device, example: Optional[InputExample] = None) -> float:
-    """Top-1 accuracy in eval mode, every input in its own dtype; the model's own modes are restored afterwards.
-    `example` observes the batches (the exported model's signature and input example)."""
+def accuracy(model: nn.Module, batches, device: torch.device) -> float:
+    """Top-1 accuracy in eval mode, every input in its own dtype; the model's own modes are restored afterwards."""
     correct = total = 0
     with eval_mode(model.to(device)):
         for batch in batches:
-            if example is not None:
-                example.observe(batch)
             batch = batch.to(device)
             logits = batch.forward(model)
             correct += int((logits.float().argmax(dim=1) == batch.targets).sum())
@@ -91,8 +97,7 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     exported = cast_for_inference(model, cfg.precision, dtype)
-    example = InputExample()
-    result = ExportResult(dtype_name(dtype), accuracy(model, eval_batches(cfg, eval_set), device, example),
+    result = ExportResult(dtype_name(dtype), accuracy(model, eval_batches(cfg, eval_set), device),
                           accuracy(exported, eval_batches(cfg, eval_set), device))
     tracker.log_metrics(result.metrics())
     drop = -result.accuracy_delta
@@ -103,7 +108,8 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
             f"{result.fp32_accuracy:.4f}, a drop of {drop:.4f} > export.max_accuracy_drop={max_drop}. "
             "Keep more layers in fp32 with precision.rules, export to bfloat16, or raise the limit.")
     exported = exported.cpu()  # takes the inputs training gave the model, in their dtypes (float ones cast inside)
-    tracker.log_model(exported, ModelInputs.from_example(exported, example.state()), name=f"model_{result.dtype}")
+    inputs = ModelInputs.from_example(exported, input_example(cfg, eval_set).state())
+    tracker.log_model(exported, inputs, name=f"model_{result.dtype}")
     tracker.set_tag("export_status", "logged")
     return result
 
