@@ -27,7 +27,8 @@ CPU = torch.device("cpu")
 def first_batch(cfg):
     train_loader, _, position = build_rank_loaders(cfg, 0, 1, CPU)
     position.set_position(0, 0, cfg.run.batch_size)
-    return next(iter(train_loader))
+    batch = next(iter(train_loader))
+    return batch.args[0], batch.targets
 
 
 def built(cfg):

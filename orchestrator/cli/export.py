@@ -15,14 +15,15 @@ from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
 from orchestrator.cli.program import prog
-from orchestrator.train.data import build_datasets
+from orchestrator.tracking.logged_model import ModelInputs
+from orchestrator.train.batch import Batches, BatchLayout, InputExample
+from orchestrator.train.data import build_datasets, collate_fn
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 from orchestrator.train.modes import eval_mode
 from orchestrator.precision import Policy, apply, dtype_name, parse_dtype, plan
@@ -63,15 +64,31 @@ def cast_for_inference(model: nn.Module, precision_cfg, dtype: torch.dtype) -> n
     return apply(exported, policy, plan(exported, policy), device_type=None)
 
 
+def eval_batches(cfg, dataset, batch_size: int = 256) -> Batches:
+    """The eval set in `Batch`es, collated and read as training reads them (`data.collate`, `task.inputs`)."""
+    return Batches(DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn(cfg.data, dataset)),
+                   BatchLayout.from_task(cfg.task))
+
+
+def input_example(cfg, dataset, batches: int = 16) -> InputExample:
+    """The exported model's input example and the dims that vary, from the first samples of `dataset` in batches
+    of two (a padded length varies between small batches; all of the eval set in one batch would hide it)."""
+    example = InputExample()
+    for _, batch in zip(range(batches), eval_batches(cfg, dataset, batch_size=2)):
+        example.observe(batch)
+    return example
+
+
 @torch.no_grad()
-def accuracy(model: nn.Module, dataset, device: torch.device, batch_size: int = 256) -> float:
-    """Top-1 accuracy in eval mode; the model's own modes are restored afterwards."""
+def accuracy(model: nn.Module, batches, device: torch.device) -> float:
+    """Top-1 accuracy in eval mode, every input in its own dtype; the model's own modes are restored afterwards."""
     correct = total = 0
     with eval_mode(model.to(device)):
-        for inputs, targets in DataLoader(dataset, batch_size=batch_size):
-            logits = model(inputs.to(device))
-            correct += int((logits.float().argmax(dim=1) == targets.to(device)).sum())
-            total += targets.numel()
+        for batch in batches:
+            batch = batch.to(device)
+            logits = batch.forward(model)
+            correct += int((logits.float().argmax(dim=1) == batch.targets).sum())
+            total += batch.size
     return correct / max(total, 1)
 
 
@@ -81,7 +98,8 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     exported = cast_for_inference(model, cfg.precision, dtype)
-    result = ExportResult(dtype_name(dtype), accuracy(model, eval_set, device), accuracy(exported, eval_set, device))
+    result = ExportResult(dtype_name(dtype), accuracy(model, eval_batches(cfg, eval_set), device),
+                          accuracy(exported, eval_batches(cfg, eval_set), device))
     tracker.log_metrics(result.metrics())
     drop = -result.accuracy_delta
     if drop > max_drop:
@@ -90,8 +108,9 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
             f"export to {result.dtype} refused: eval accuracy {result.accuracy:.4f} vs fp32 "
             f"{result.fp32_accuracy:.4f}, a drop of {drop:.4f} > export.max_accuracy_drop={max_drop}. "
             "Keep more layers in fp32 with precision.rules, export to bfloat16, or raise the limit.")
-    example = np.zeros((2, *eval_set[0][0].shape), dtype=np.float32)  # batch 2: export keeps the batch dim dynamic
-    tracker.log_model(exported.cpu(), example, name=f"model_{result.dtype}")
+    exported = exported.cpu()  # takes the inputs training gave the model, in their dtypes (float ones cast inside)
+    inputs = ModelInputs.from_example(exported, input_example(cfg, eval_set).state())
+    tracker.log_model(exported, inputs, name=f"model_{result.dtype}")
     tracker.set_tag("export_status", "logged")
     return result
 

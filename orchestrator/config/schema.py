@@ -64,7 +64,25 @@ class DataSection:
     """Image transforms for torchvision datasets and ImageFolder (ToTensor always)."""
     loader: str = "dataloader"
     """`dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
-    worker's device, each rank taking its shard, augmentation on the device, no loader processes."""
+    worker's device, each rank taking its shard, augmentation on the device, no loader processes. `device` holds
+    (inputs, targets) tensors of any dtype (a TensorDataset, the built-in datasets); samples that need a collate
+    function (`data.collate`) or a batch of named parts (`task.inputs`) need `dataloader`."""
+    collate: Optional[str] = None
+    """Import path `package.module:fn` to the collate function that turns a list of samples into a batch (e.g.
+    padding variable-length sequences), for the training and evaluation loaders and pre-flight; null: each
+    dataset's own `collate_fn` attribute when it has one, else torch's default_collate."""
+
+
+@dataclass
+class MetricSection:
+    name: str = MISSING
+    """`accuracy`, `top5`, an import path to your own function `fn(outputs, targets) -> {name: (sum, count)}`, or
+    to a torchmetrics.Metric class (`torchmetrics.classification:MulticlassF1Score`)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a torchmetrics Metric's constructor (`{num_classes: 4, average: macro}`)."""
+    log_as: Optional[str] = None
+    """A torchmetrics Metric is logged as `eval/<log_as>`; null: its class name in snake case
+    (`MulticlassF1Score` -> `eval/multiclass_f1_score`). A function's names are the keys it returns."""
 
 
 @dataclass
@@ -74,9 +92,19 @@ class TaskSection:
     own `fn(outputs, targets) -> loss` (the batch mean)."""
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
-    metrics: List[str] = field(default_factory=lambda: ["accuracy"])
-    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, or import paths to your own
-    `fn(outputs, targets) -> {name: (sum, count)}`, summed over batches and ranks."""
+    metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, import paths to your own
+    `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name: <torchmetrics Metric
+    class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A bare string is `{name:
+    ...}`."""
+    inputs: List[str] = field(default_factory=list)
+    """The parts of a batch the model takes, by key (a dict batch), attribute (a dataclass or named tuple) or
+    index (a tuple): named ones are passed as keyword arguments (`model(input_ids=..., attention_mask=...)`),
+    indices positionally. Empty: a batch is `(inputs, targets)` (inputs a tensor, a tuple of positional inputs or
+    a dict of keyword inputs), or, with `task.target` set, every part of the batch but the target."""
+    target: Optional[str] = None
+    """The part of a batch the loss and metrics compare the outputs with (`labels`, or an index); null: batches are
+    `(inputs, targets)` pairs."""
 
 
 @dataclass

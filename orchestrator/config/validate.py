@@ -57,6 +57,11 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.data.loader != "device" or cfg.data.loader_workers == 0, "data.loader_workers",
       "must be 0 with data.loader: device (the data is already on the device; there is nothing for "
       "loader processes to do).")
+    for key, given in (("data.collate", cfg.data.collate is not None), ("task.inputs", bool(cfg.task.inputs)),
+                       ("task.target", cfg.task.target is not None)):
+        r(cfg.data.loader != "device" or not given, "data.loader",
+          f"device slices (inputs, targets) tensors out of a dataset held on the device, so it takes no {key}: use "
+          "data.loader: dataloader for batches a collate function makes or batches of named parts.")
     transforms = cfg.data.transforms
     r((transforms.mean is None) == (transforms.std is None)
       and (transforms.mean is None or len(transforms.mean) == len(transforms.std)), "data.transforms",
@@ -74,6 +79,7 @@ def validate(cfg: DictConfig, source: str) -> None:
         names.check_dataset_name(cfg.data.name)
         names.check_model_name(cfg.model.name)
         names.check_task(cfg.task)
+        names.check_collate(cfg.data.collate)
         optim.check(cfg.optim)
         names.check_callbacks(cfg.callbacks)
     except BadInput as exc:
@@ -117,7 +123,7 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
     # Class scores: cross-entropy's outputs, or your own loss's when you evaluate accuracy on them.
     scores = cfg.task.loss in names.CLASSIFICATION_LOSSES or (
-        is_import_path(cfg.task.loss) and "accuracy" in cfg.task.metrics)
+        is_import_path(cfg.task.loss) and "accuracy" in [metric.name for metric in cfg.task.metrics])
     r(export_dtype is None or scores, "export.dtype",
       f"the export is checked by its accuracy drop, which needs class scores; task.loss is '{cfg.task.loss}'. "
       "Leave export.dtype null for this task (with a classification loss of your own, add 'accuracy' to "

@@ -355,6 +355,8 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
         if key in final:
             print(f"  {key:<20} {final[key]:.6g}")
     print(f"Checkpoints: {result.path}")
+    if model_uri is not None:
+        print(f"Model:    {model_uri}  (mlflow.pytorch.load_model / mlflow.pyfunc.load_model)")
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
     plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code

@@ -86,66 +86,110 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     return Preflight(next(iter(built.values())), runs)
 
 
-def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None) -> list:
-    """The lineage of the job's train and eval sets (built from the config unless given)."""
+def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None, batches: tuple = (None, None)) -> list:
+    """The lineage of the job's train and eval sets (built from the config unless given); `batches`: a first
+    `Batch` of each, whose inputs describe the samples."""
     from orchestrator.tracking.lineage import describe
     from orchestrator.train.data import build_datasets
 
     train, evaluation = datasets or build_datasets(cfg.data, cfg.model.num_classes)
-    return describe(cfg.data, [("train", train), ("eval", evaluation)])
+    return describe(cfg.data, [("train", train), ("eval", evaluation)], batches)
+
+
+def first_batch(cfg: DictConfig, dataset, split: str):
+    """Two samples of `dataset` collated as its loader collates them and read as `task.inputs`/`task.target`
+    say: a collate function that fails on them, or a part the batch lacks, is bad input naming the key."""
+    from orchestrator.train.batch import BatchLayout
+    from orchestrator.train.data import collate_fn, collate_source
+
+    samples = [dataset[i] for i in range(min(2, len(dataset)))]
+    collate = collate_fn(cfg.data, dataset)
+    if collate is None:
+        from torch.utils.data import default_collate as collate
+    try:
+        raw = collate(samples)
+    except Exception as exc:  # whatever the collate function raises (RuntimeError on unequal sizes, KeyError, ...)
+        key = "data.collate" if cfg.data.collate is not None else "data.name"
+        hint = "Fix the collate function." if cfg.data.collate is not None else (
+            "Give data.collate (e.g. one that pads variable-length samples) or make the samples equal in size.")
+        raise BadInput(f"{key}: {collate_source(cfg.data, dataset)} fails on two samples of the {split} set of "
+                       f"data.name {cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). {hint}") from None
+    return BatchLayout.from_task(cfg.task).batch(raw)
 
 
 def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
-    """Two samples of the training set through the model, the loss and the metrics on the CPU: a model that
-    cannot take the data's shape, or whose outputs do not match the number of classes the data has, is refused
-    naming both; so is a loss or metric that fails on them. Returns the data's lineage (`describe_data`) and the
-    names of the metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
+    """Two samples of the training set, collated as the loaders collate them, through the model, the loss and the
+    metrics on the CPU, every input in its own dtype (int64 token ids stay int64): a model that cannot take the
+    batch, or whose outputs do not match the number of classes the data has, is refused naming both; so is a
+    loss or metric that fails on them, a collate function that fails, a `task.inputs` part the batch lacks, and
+    data `data.loader: device` cannot hold. Returns the data's lineage (`describe_data`) and the names of the
+    metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
     import torch
-    from torch.utils.data import default_collate
 
-    from orchestrator.train.data import build_datasets
+    from orchestrator.train.batch import describe
+    from orchestrator.train.data import build_datasets, device_refusal
     from orchestrator.train.modes import eval_mode
 
     train, evaluation = build_datasets(cfg.data, cfg.model.num_classes)
     if len(train) == 0:
         raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
-    inputs, targets = default_collate([train[i] for i in range(min(2, len(train)))])  # as the loaders batch them
-    inputs = inputs.float()
-    shape = "x".join(str(d) for d in inputs.shape[1:])
+    if cfg.data.loader == "device":
+        for split, dataset in (("training", train), ("eval", evaluation)):
+            refusal = device_refusal(dataset)
+            if refusal is not None:
+                raise BadInput(f"data.loader: device holds (inputs, targets) tensors on the device; data.name "
+                               f"{cfg.data.name}'s {split} set is {refusal}. Use data.loader: dataloader.")
+    batch = first_batch(cfg, train, "training")
+    eval_batch = first_batch(cfg, evaluation, "eval") if len(evaluation) else None
+    single = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else None
+    given = (f"samples of shape {'x'.join(str(d) for d in single.shape[1:])}" if isinstance(single, torch.Tensor)
+             else f"batches of {batch.describe_inputs()}")
     try:
         with torch.no_grad(), eval_mode(model):
-            outputs = model(inputs)
+            outputs = batch.forward(model)
     except Exception as exc:  # whatever the model raises on the wrong shape (RuntimeError, ValueError, ...)
-        raise BadInput(f"data.name: {cfg.data.name} gives samples of shape {shape}, which model.name "
-                       f"{cfg.model.name} cannot take ({type(exc).__name__}: {str(exc)[:300]}). Use a model for "
-                       "this input (e.g. model.kwargs) or transform the data (data.transforms).") from None
+        raise BadInput(f"data.name: {cfg.data.name} gives {given}, which model.name {cfg.model.name} cannot take "
+                       f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
+                       "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
     classes = getattr(train, "classes", None)
-    if cfg.task.loss == "cross_entropy" and classes is not None and outputs.dim() == 2 \
-            and outputs.shape[1] != len(classes):
+    if cfg.task.loss == "cross_entropy" and classes is not None and isinstance(outputs, torch.Tensor) \
+            and outputs.dim() == 2 and outputs.shape[1] != len(classes):
         raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
-    return describe_data(cfg, (train, evaluation)), evaluated_metrics(cfg, outputs, targets)
+    lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
+    return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe(outputs))
 
 
-def evaluated_metrics(cfg: DictConfig, outputs, targets) -> set[str]:
+def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") -> set[str]:
     """The job's loss and metrics on the model's outputs for two samples: the names an evaluation logs."""
-    from orchestrator.train.task import build_loss, build_metrics
+    from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
 
     def refuse(key: str, name: str, exc: Exception) -> BadInput:
-        return BadInput(f"{key}: '{name}' fails on model {cfg.model.name}'s outputs ({'x'.join(map(str, outputs.shape))}"
-                        f") for data {cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). Fix it, or choose a "
-                        "loss or metric for this kind of output.")
+        shape = described.partition(" ")[2] or described
+        return BadInput(f"{key}: '{name}' fails on model {cfg.model.name}'s outputs ({shape}) for data "
+                        f"{cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). Fix it, or choose a loss or "
+                        "metric for this kind of output.")
 
     try:
         build_loss(cfg.task)(outputs, targets)
     except Exception as exc:
         raise refuse("task.loss", cfg.task.loss, exc) from None
     names = {"eval/loss"}
-    for name, metric in zip(cfg.task.metrics, build_metrics(cfg.task)):
+    for index, spec in enumerate(cfg.task.metrics):
         try:
-            names.update(f"eval/{key}" for key in metric(outputs, targets))
+            metric = build_metric(spec)
+        except Exception as exc:  # a torchmetrics constructor refusing its kwargs' values
+            raise BadInput(f"task.metrics[{index}].kwargs: {spec.name} refuses {dict(spec.kwargs)} "
+                           f"({type(exc).__name__}: {str(exc)[:300]}). Fix the metric's kwargs.") from None
+        try:
+            import torch
+
+            metric.reset(torch.device("cpu"))
+            metric.update(fp32(outputs), targets)
+            computed = metric.sums if isinstance(metric, SummedMetric) else metric.compute()
         except Exception as exc:
-            raise refuse("task.metrics", name, exc) from None
+            raise refuse(f"task.metrics[{index}]", spec.name, exc) from None
+        names.update(f"eval/{key}" for key in computed)
     return names
 
 
@@ -157,7 +201,7 @@ def check_metric_names(cfg: DictConfig, evaluated: set[str]) -> None:
                       ("checkpoint.score_metric", cfg.checkpoint.score_metric)):
         if name is not None and name not in evaluated:
             raise BadInput(f"{key}: '{name}' is not a metric this job evaluates. It logs "
-                           f"{', '.join(sorted(evaluated))} (task.metrics={list(cfg.task.metrics)}).")
+                           f"{', '.join(sorted(evaluated))} (task.metrics: {', '.join(m.name for m in cfg.task.metrics) or 'none'}).")
 
 
 def check_optimizer(cfg: DictConfig, model, warned: set[str]) -> None:

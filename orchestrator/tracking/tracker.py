@@ -264,12 +264,16 @@ class RunTracker:
         from mlflow.types import Schema, TensorSpec
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-        def spec(dtype: str, shape: list[int]) -> Schema:
-            return Schema([TensorSpec(np.dtype(dtype), (-1, *shape))])
+        def spec(dtype: str, shape: list[int], name: Optional[str] = None) -> TensorSpec:
+            return TensorSpec(np.dtype(dtype), (-1, *shape), name)
 
         inputs = []
         for d in datasets:
-            schema = TensorDatasetSchema(spec(d.input_dtype, d.input_shape), spec(d.target_dtype, d.target_shape))
+            named = len(d.inputs) > 1 or any(name is not None for name, _, _ in d.inputs)
+            features = Schema([spec(dtype, shape, (name or f"input_{i}") if named else None)
+                               for i, (name, dtype, shape) in enumerate(d.inputs)] or [spec("float32", [])])
+            targets = Schema([spec(d.target_dtype, d.target_shape)]) if d.target_dtype is not None else None
+            schema = TensorDatasetSchema(features, targets)
             profile = {"num_samples": d.num_samples, "sample_shape": d.input_shape}
             entity = Dataset(d.name, d.digest, d.source_type, redact(d.source), json.dumps(schema.to_dict()),
                              json.dumps(profile))
@@ -294,30 +298,25 @@ class RunTracker:
         """A matplotlib figure as an image artifact (the caller closes the figure)."""
         self._client.log_figure(self.run_id, figure, artifact_path)
 
-    def log_model(self, model, input_example, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
-        """Log the fp32 model as the run's MLflow model `model`; returns the format used.
+    def log_model(self, model, inputs, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
+        """Log the model as the run's MLflow model `name`, taking `inputs` (`logged_model.ModelInputs`: names,
+        dtypes and an example from a real batch); returns the format used.
 
         pt2 (torch.export, loads without unpickling code) when the model exports; otherwise the
-        pickled module with its custom code shipped alongside.
+        pickled module with its custom code shipped alongside. Both with ampflow's pyfunc.
         """
         import mlflow
         import torch
         import torchvision
+
+        from orchestrator.tracking.logged_model import log_model
 
         mlflow.set_tracking_uri(self.uri)
         requirements = [f"torch=={torch.__version__.split('+')[0]}",
                         f"torchvision=={torchvision.__version__.split('+')[0]}"]
         with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
             warnings.simplefilter("ignore")  # signature inference chatter
-            try:
-                mlflow.pytorch.log_model(model, name=name, pip_requirements=requirements,
-                                         input_example=input_example, serialization_format="pt2")
-                return "pt2"
-            except Exception as exc:
-                logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
-            mlflow.pytorch.log_model(model, name=name, pip_requirements=requirements, code_paths=code_paths,
-                                     input_example=input_example, serialization_format="pickle")
-            return "pickle"
+            return log_model(model, inputs, name, code_paths, requirements)
 
     # -- reading ----------------------------------------------------------------------------------
 

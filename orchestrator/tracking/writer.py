@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from orchestrator.tracking.tables import RENDERED
 from orchestrator.train.report import Report
 
 logger = logging.getLogger("ampflow.tracking")
@@ -141,6 +142,11 @@ class MlflowWriter:
             self.pending.append(("tags", report.tags))
         for name, value in report.tables.items():
             self.pending.append(("json", (f"{name}.json", value)))
+            if name in RENDERED:  # a page the UI renders, beside the JSON
+                path, render, summarize = RENDERED[name]
+                self.pending.append(("text", (f"{path}.html", render(value))))
+                if summarize is not None:
+                    self.pending.append(("json", (f"{path}.json", summarize(value))))
         if report.overflow_records:
             self.pending.append(("overflow", report.overflow_records))
         for warning in report.warnings:
@@ -195,6 +201,9 @@ class MlflowWriter:
         elif kind == "json":
             path, value = payload
             self.tracker.log_dict(value, path)
+        elif kind == "text":
+            path, text = payload
+            self.tracker.log_text(text, path)
         elif kind == "overflow":
             known = {json.dumps(record, sort_keys=True) for record in self.overflow_log}
             fresh = [record for record in payload if json.dumps(record, sort_keys=True) not in known]

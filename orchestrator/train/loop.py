@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from orchestrator.train import rng
+from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
 from orchestrator.train.checkpoint import (
     Candidate, dir_name, load_newest_valid, remove_stale_staging, staged_checkpoint,
@@ -119,8 +120,9 @@ class TrainingLoop:
 
         self.global_step, self.seq = 0, 0
         """Optimizer steps taken (skipped ones included), and reports made, in the run so far."""
-        self.sample_shape: list[int] = []
-        """One training input's shape (from the first batch), kept in checkpoints for the logged model."""
+        self.input_example = InputExample()
+        """The first batch's inputs and the dims that vary between batches, kept in checkpoints for the logged
+        model's signature and example."""
         self.checkpoint_report: Optional[dict[str, Any]] = None
         self.start_epoch, self.start_batches = self.resume(state)
 
@@ -165,7 +167,8 @@ class TrainingLoop:
         """One optimizer step with its hooks, the schedule, the loss window and (`perf.compile`) compilation."""
         self.hooks.call("before_step", self, step)
         accumulated_step(self.training, step, self.device, lambda s: self.hooks.call("after_backward", self, s))
-        self.sample_shape = self.sample_shape or list(step.batches[0][0].shape[1:])
+        for batch in step.batches:
+            self.input_example.observe(batch)
         if self.training.scheduler is not None and should_step_schedule(step.outcome):
             self.training.scheduler.step()
         if not step.outcome.nan_loss:
@@ -190,9 +193,9 @@ class TrainingLoop:
                 or (every_n_steps is not None and self.global_step % every_n_steps == 0)):
             report.metrics.update(self.evaluation())
             stop = not last and self.stopping is not None and self.stopping.should_stop(report.metrics)
-        self.hooks.call("end_epoch", self, report)
         if stop:
             report.tags["early_stopped_at_epoch"] = str(epoch + 1)
+        self.hooks.call("end_epoch", self, report)  # the run's last report: the last epoch's, or tagged as above
         checkpoint_due = last or stop or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
         self.send(report, (epoch, self.steps_per_epoch) if checkpoint_due else None)
         return stop
@@ -246,7 +249,8 @@ class TrainingLoop:
                     precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id, report=placed,
                     rank=own, report_seq=self.seq,
                     early_stopping=self.stopping.state() if self.stopping is not None else None,
-                    sample_shape=self.sample_shape).to_files()[0]
+                    sample_shape=self.input_example.sample_shape(),
+                    input_example=self.input_example.state()).to_files()[0]
             name = dir_name(self.global_step, self.attempt)
             with staged_checkpoint(self.rank, shared, asdict(own), self.global_step) as directory:
                 self.hooks.call("on_checkpoint", self, directory, name)
@@ -276,6 +280,6 @@ class TrainingLoop:
         if state.precision != OmegaConf.to_container(self.cfg.precision):
             self.resume_warnings.append("the job's precision section differs from the one the checkpoint was "
                                         "trained with.")
-        self.seq, self.sample_shape = state.report_seq, list(state.sample_shape)
+        self.seq, self.input_example = state.report_seq, InputExample(state.input_example)
         self.checkpoint_report = state.report
         return epoch, batches_done

@@ -17,8 +17,9 @@ from torch import nn
 from orchestrator.precision import Precision
 from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
+from orchestrator.train.batch import Batch
 from orchestrator.train.models import build_model
-from orchestrator.train.modes import freeze_norm
+from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap, ddp_wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler
 from orchestrator.train.state import TrainState
@@ -49,7 +50,7 @@ class PreparedModel:
     params_bytes: int
     """Bytes of the parameters as stored under the policy."""
     memory_format: torch.memory_format = torch.contiguous_format
-    """What 4-D inputs are converted to before the forward pass (`perf.channels_last`)."""
+    """What 4-D floating inputs are converted to before the forward pass (`perf.channels_last`)."""
     compile_options: Optional[dict[str, Any]] = None
     """torch.compile arguments still to apply (`perf.compile`); None once compiled, or when not asked."""
 
@@ -60,12 +61,9 @@ class PreparedModel:
             self.model = torch.compile(self.model, **self.compile_options)
             self.compile_options = None
 
-    def inputs(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A batch of inputs on the device, in the model's memory format."""
-        tensor = tensor.to(device, non_blocking=True)
-        if tensor.dim() == 4 and self.memory_format != torch.contiguous_format:
-            tensor = tensor.contiguous(memory_format=self.memory_format)
-        return tensor
+    def place(self, batch: Batch, device: torch.device) -> Batch:
+        """The batch on the device (every dtype kept), 4-D floating inputs in the model's memory format."""
+        return batch.to(device, self.memory_format)
 
 
 @dataclass
@@ -78,10 +76,10 @@ class Training:
     """Layers moved to fp32 at run time (`on_collapse: promote`), part of the effective policy."""
     clip_grad_norm: Optional[float] = None
     """`optim.clip_grad_norm`: the total gradient norm each step is clipped to (None: no clipping)."""
-    loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    loss: Optional[Callable[[Any, Any], torch.Tensor]] = None
     """`task.loss`: (outputs, targets) -> the batch's mean loss, in fp32."""
-    metrics: list[Callable] = field(default_factory=list)
-    """`task.metrics`: (outputs, targets) -> {name: (sum, count)}, summed over the eval set."""
+    metrics: list[Any] = field(default_factory=list)
+    """`task.metrics`: `task.SummedMetric`s and `task.TorchMetric`s, updated with each eval batch."""
 
     def capture(self) -> TrainState:
         """The train state of the model, optimizer, schedule and loss scaler (not yet placed in the run).
@@ -105,6 +103,7 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     if state is not None:
         model.load_state_dict(state.model)
     memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
+    train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so
     if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
         freeze_norm(model)
     model.to(device, memory_format=memory_format)  # before masters: their copies keep the layout

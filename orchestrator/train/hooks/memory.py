@@ -1,4 +1,4 @@
-"""Memory in the reports: bytes by dtype and category (`memory/<category>/<dtype>`, `memory/breakdown`) once
+"""Memory in the reports: bytes by dtype and category (`memory/<category>_<dtype>_bytes`, `memory/breakdown`) once
 the first step has measured them, and every epoch the peaks of every rank."""
 
 from typing import Any, Optional
@@ -37,11 +37,12 @@ class MemoryReport(Hook):
 
 
 def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:
-    """`memory/peak_bytes` (max over ranks) and `memory/peak_bytes/rank<r>` (and CUDA reserved)."""
+    """`memory/peak_bytes` (max over ranks) and `memory/rank<r>_peak_bytes` (and CUDA's
+    `memory/rank<r>_peak_reserved_bytes`)."""
     peaks = per_rank(float(peak_bytes(device)), rank, world_size, device)
-    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/peak_bytes/rank{r}": p for r, p in enumerate(peaks)}}
+    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/rank{r}_peak_bytes": p for r, p in enumerate(peaks)}}
     reserved = peak_reserved_bytes(device)
     if reserved is not None:
         reserved_peaks = per_rank(float(reserved), rank, world_size, device)
-        metrics.update({f"memory/peak_reserved_bytes/rank{r}": p for r, p in enumerate(reserved_peaks)})
+        metrics.update({f"memory/rank{r}_peak_reserved_bytes": p for r, p in enumerate(reserved_peaks)})
     return metrics
