@@ -283,7 +283,13 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     try:
         # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
         # here as execute() would, so an import-path model is shipped as a job-level py_module.
-        started_ray, _ = init_ray(plan.address, models.module_sources(base))
+        try:
+            started_ray, _ = init_ray(plan.address, models.module_sources(base))
+        except Exception as exc:  # e.g. no cluster answers at --address (RayUnreachable): no child was started
+            close_run(parent, "FAILED", 10)
+            print(f"error: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
+                  "Check --address / RAY_ADDRESS, or leave both out to train on a local Ray.", file=sys.stderr)
+            return EXIT_FAILED
         previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
         _ctrl_c_interrupts()

@@ -247,9 +247,12 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
             raise ray_start.error  # execute() closes the run KILLED
         if ray_start.error is not None:  # e.g. no cluster at --address: the run was created, so close it
             end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
-            error = ray_start.error
-            print(f"\nerror: Ray could not be started or reached ({type(error).__name__}: {redact(str(error))[:500]}). "
-                  "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
+            error = f"Ray could not be started or reached ({type(ray_start.error).__name__}: " \
+                    f"{redact(str(ray_start.error))[:500]})"
+            plan.result = RunResult(end.tracker.run_id if end.tracker is not None else None, "FAILED", {}, None, None,
+                                    error=error)
+            print(f"\nerror: {error}. Check --address / RAY_ADDRESS, or leave both out to train on a local Ray.",
+                  file=sys.stderr)
             return EXIT_FAILED
         if plan.address:
             shortfall = check_cluster_capacity(cfg)
