@@ -124,6 +124,33 @@ class RayStart:
     """Why Ray could not be had (an Exception), or the Ctrl-C / SIGTERM that came while it started."""
     previous_sigterm: object = None
     """The SIGTERM handler before submit's own was installed again over Ray's (restored at the end)."""
+    trainer: object = None
+    """The run's trainer once built (`launch.build_trainer`): its Ray Train controller, once `fit()` made it."""
+
+    def stop_training(self) -> None:
+        """Kill the run's Ray Train controller, now: its workers go with it (Ray ends the actors an actor created
+        when it dies), stuck or not. For an interrupt; the driver then closes the run and `release`s Ray."""
+        import ray
+
+        controller = getattr(self.trainer, "controller", None)
+        if controller is not None and ray.is_initialized():
+            try:
+                ray.kill(controller, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already; the driver's exit ends the job's actors anyway
+                pass
+
+    def release(self) -> None:
+        """The SIGTERM handler as it was, and Ray shut down if this run started it. Only once the run is closed:
+        until then its writer reads the relay through Ray, and a Ray call after `ray.shutdown()` would start a new
+        local Ray (Ray initialises itself on use)."""
+        import ray
+
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            self.previous_sigterm = None
+        if self.started:
+            self.started = False
+            ray.shutdown()
 
 
 def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStart:
