@@ -78,6 +78,14 @@ _deadline: dict[str, object] = {}
 """`exit_within`'s limit ("seconds"), and the timer the first interrupt started ("timer")."""
 
 
+def interrupted_by(signum: int) -> "Interrupted":
+    """The Interrupted for `signum`, caught by a handler other than ours (ray.init's SIGTERM handler exits with
+    the signal's number): recorded as ours record it, and `exit_within`'s deadline started."""
+    _caught["signum"] = signum
+    _start_deadline(signum)
+    return Interrupted(signum)
+
+
 def _interrupt(signum, frame):
     _caught["signum"] = signum
     _start_deadline(signum)
@@ -108,8 +116,8 @@ def interrupt_on_sigterm():
     thread, where no handler can be installed: a notebook's or a service's own threads).
 
     Also installs `redeliver_swallowed_interrupts`: a signal can land while Python runs a weakref callback or a
-    `__del__` (SQLAlchemy's run after most MLflow calls), where the exception is printed as "Exception ignored"
-    and dropped; the signal is then sent again, so that it reaches the code that closes the run."""
+    `__del__` (SQLAlchemy's run after most MLflow calls), where Python cannot raise its exception and drops it;
+    the signal is then sent again, so that it reaches the code that closes the run."""
     if threading.current_thread() is not threading.main_thread():
         return None
     redeliver_swallowed_interrupts()
@@ -160,18 +168,24 @@ return, so the next one lands in ordinary code."""
 
 def redeliver_swallowed_interrupts() -> None:
     """Chain a `sys.unraisablehook` that sends the signal of a KeyboardInterrupt (an `Interrupted`: its signal;
-    a plain one: SIGINT) Python could not raise, from a short timer, to this process's main thread. Other
-    unraisable exceptions go to the previous hook unchanged. Idempotent."""
+    a plain one: SIGINT), or of ray.init's SIGTERM exit, that Python could not raise, from a short timer, to this
+    process's main thread. Other unraisable exceptions go to the previous hook unchanged. Idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "redelivers_interrupts", False):
         return
 
     def hook(unraisable) -> None:
-        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        exc = unraisable.exc_value
+        if isinstance(exc, KeyboardInterrupt):
+            signum = getattr(exc, "signum", signal.SIGINT)
+        elif isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:  # ray.init's SIGTERM handler's
+            signum = signal.SIGTERM
+        else:
             previous(unraisable)  # the "Exception ignored in ..." lines, as before
             return
         # The interrupt is not lost (it is sent again), so nothing is printed: one line ends the command.
-        _send_again(getattr(unraisable.exc_value, "signum", signal.SIGINT))
+        interrupted_by(signum)
+        _send_again(signum)
 
     hook.redelivers_interrupts = True
     sys.unraisablehook = hook

@@ -57,6 +57,13 @@ def test_a_signal_swallowed_by_a_weakref_callback_is_delivered_again(signal_name
     assert done.returncode == 0
 
 
+def test_the_sigterm_exit_of_ray_inits_handler_swallowed_by_a_weakref_callback_is_delivered_again():
+    """While ray.init runs, SIGTERM meets Ray's own handler, `sys.exit(signum)`: dropped in a callback, it is sent
+    again, and the process ends with it instead of training on."""
+    done = run("SIGTERM", where="signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))")
+    assert done.stdout == "" and done.returncode == 15, done.stdout + done.stderr
+
+
 def test_other_unraisable_exceptions_still_reach_the_previous_hook_and_nothing_is_sent():
     where = textwrap.dedent("""
         seen = []

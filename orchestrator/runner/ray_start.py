@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.errors import Interrupted, interrupt_on_sigterm
+from orchestrator.errors import interrupt_on_sigterm, interrupted_by
 
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
@@ -164,7 +164,8 @@ def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStar
         start.started, start.worker_runtime_env = init_ray(address, module_sources)
     except BaseException as exc:
         # SIGTERM during ray.init meets the handler Ray installed first, which exits with the signal's number
-        start.error = Interrupted(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM else exc
+        start.error = interrupted_by(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM \
+            else exc
         start.started = not found_running and ray.is_initialized()
     start.previous_sigterm = interrupt_on_sigterm()
     return start
