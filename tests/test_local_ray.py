@@ -107,12 +107,13 @@ def test_run_returns_a_failed_result_once_the_wait_for_an_unanswering_cluster_en
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_ends_the_wait_for_a_cluster_at_once(signum, exit_code, ray_tmpdir, tmp_path):
     job = tiny_job(tmp_path, "waiting")
+    MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").create_experiment("waiting")  # no store to create
     with open(tmp_path / "stderr.txt", "w") as stderr:
         driver = subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(job), "--address", STALE_CLUSTER],
                                   cwd=tmp_path, env=own_ray_env(ray_tmpdir), stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 180
-        while not statuses_if_any(tmp_path):  # the run exists: the driver is waiting for the cluster
+        while not statuses(tmp_path):  # the run exists: the driver is waiting for the cluster
             assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()
             assert time.monotonic() < deadline, "the run was never created"
             time.sleep(0.5)
@@ -131,11 +132,3 @@ def test_a_signal_ends_the_wait_for_a_cluster_at_once(signum, exit_code, ray_tmp
     assert statuses(tmp_path) == ["KILLED"]
     assert "Traceback" not in err
 
-
-def statuses_if_any(workdir: Path) -> list[str]:
-    if not (workdir / "mlflow.db").exists():
-        return []
-    try:
-        return statuses(workdir)
-    except Exception:  # the store is being created by the driver
-        return []
