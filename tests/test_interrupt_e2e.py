@@ -80,6 +80,24 @@ def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_ru
         assert f"python -m orchestrator.submit {job} --resume" in lines[0]
         _, run = only_run(uri, "signals")
         assert run.info.status == "KILLED"
+    # Their Ray Train controllers and workers on the cluster went with them.
+    deadline = time.monotonic() + 30
+    while train_actors(head):
+        assert time.monotonic() < deadline, f"still on the cluster: {train_actors(head)}"
+        time.sleep(1)
+
+
+def train_actors(head: RayHead) -> list[str]:
+    """The Ray Train controller and worker processes on the test's head."""
+    found = []
+    for process in psutil.Process(head.process.pid).children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if "RayTrainWorker" in title or "TrainController" in title:
+            found.append(title[:80])
+    return found
 
 
 def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(head, tmp_path, write_job, mlflow_uri):
