@@ -88,7 +88,8 @@ def fake_ray(write_job, tmp_path, monkeypatch):
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (False, None))
-    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
+    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value),
+                                                           "is_initialized": staticmethod(lambda: True)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
 
     def use_trainer(trainer) -> None:
@@ -218,7 +219,7 @@ def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resu
 
     class Stopped(_FakeTrainer):
         def fit(self):
-            raise SystemExit(0)  # what Ray Train's SIGINT handler raises inside fit()
+            raise SystemExit(0)  # a handler's sys.exit() inside fit(): an interrupt too
 
     planned.use_trainer(Stopped(False))
     with pytest.raises(Interrupted) as caught:

@@ -19,7 +19,7 @@ def logged(tmp_path_factory):
     """A run of the quickstart job under bf16 autocast, logged as ampflow logs one: its fp32 model `model` (a pt2
     program, weights of a model that is not freshly initialised), its float16 export `model_float16`, and its
     job. Returns (tracking URI, run id, job config, the fp32 weights)."""
-    from orchestrator.cli.export import cast_for_inference
+    from orchestrator.runner.export import cast_for_inference
     from orchestrator.config import flatten, load_job, to_yaml
     from orchestrator.tracking.tracker import RunTracker
     from orchestrator.train.models import build_model
@@ -96,7 +96,7 @@ def test_a_run_predicts_its_eval_split_and_any_dataset_in_order(logged):
 
 def test_an_export_predicts_as_exported(logged):
     from orchestrator import predict
-    from orchestrator.cli.export import cast_for_inference
+    from orchestrator.runner.export import cast_for_inference
     from orchestrator.train.models import build_model
 
     uri, run_id, cfg, weights = logged

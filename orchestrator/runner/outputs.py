@@ -87,7 +87,7 @@ def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
-    from orchestrator.cli.export import ExportRefused, export
+    from orchestrator.runner.export import ExportRefused, export
 
     try:
         result = export(_trained_model(cfg, checkpoint)[0], cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)

@@ -230,17 +230,19 @@ class RunTracker:
         return Path(local).read_text()
 
     def load_model(self):
-        """The run's fp32 model (`model`) as logged at the end of training (a pt2 program or a module)."""
+        """The run's fp32 model (`model`) as logged at the end of training: its pt2 program, loaded without
+        unpickling anything (`orchestrator.tracking.model_files`); BadInput when it has none."""
         import mlflow
 
         from orchestrator.errors import BadInput
+        from orchestrator.tracking.model_files import load_pt2_model
 
-        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_tracking_uri(self.uri)  # `models:/` URIs resolve through the global tracking URI
         models = self._client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'")
         fp32 = [m for m in models if m.name == "model"]
         if not fp32:
             raise BadInput(f"run {self.run_id} has no logged model 'model' (was tracking.log_model false?).")
-        return mlflow.pytorch.load_model(fp32[0].model_uri, map_location="cpu")
+        return load_pt2_model(fp32[0].model_uri, f"run {self.run_id}'s logged model 'model'")
 
     # -- writing ----------------------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ OVERFLOW_LOG = "amp/overflow_log.json"
 LOGGED_EVERY_S = 2.0
 """How often, at most, the writer tells storage how far it has logged (`on_logged`)."""
 
+RELAY_TIMEOUT_S = 30.0
+"""How long one read of the report relay may take (a busy cluster answers slowly)."""
+
 
 def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Call `action` until it succeeds or `timeout_s` has passed (then raise its last error)."""
@@ -79,13 +82,19 @@ class MlflowWriter:
         return self
 
     def close(self, timeout_s: float) -> int:
-        """Stop the thread, take the last reports, and flush for up to `timeout_s`; returns records left unsent."""
+        """Stop the thread, take the last reports, and flush, each for up to `timeout_s`; returns records left
+        unsent. Call it while Ray is up: the last reports are read from the relay."""
         self._stop.set()
         if self._thread.ident is not None:  # started
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():  # stuck in a call to MLflow or Ray: what it holds cannot be taken safely
+                unsent = sum(kind != "logged" for kind, _ in self.pending)
+                print(f"error: the MLflow writer did not stop within {timeout_s:g}s; {unsent} record(s) it held "
+                      "are lost.", file=sys.stderr)
+                return unsent
         try:
-            self._drain()
-        except Exception as exc:  # the relay went down with Ray (an interrupt): log what was taken already
+            self._drain(timeout_s=min(RELAY_TIMEOUT_S, timeout_s))
+        except Exception as exc:  # the relay went down with the workers (an interrupt): log what was taken already
             logger.warning("ampflow: the last reports could not be read from the relay (%s).", exc)
         deadline = time.monotonic() + timeout_s
         while not self._flush(force=True) and time.monotonic() < deadline:
@@ -119,8 +128,10 @@ class MlflowWriter:
 
     # -- reports -> records -----------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        reports, lines = ray.get(self.relay.take.remote(), timeout=30)
+    def _drain(self, timeout_s: float = RELAY_TIMEOUT_S) -> None:
+        if not ray.is_initialized():  # shut down: any Ray call would start a new local Ray (Ray's auto-init)
+            raise RuntimeError("Ray is shut down")
+        reports, lines = ray.get(self.relay.take.remote(), timeout=timeout_s)
         for report in reports:
             self.enqueue(report)
         self.printed.extend(lines)
