@@ -5,7 +5,8 @@ from orchestrator.train.hooks import Hook
 
 class LossScaleTelemetry(Hook):
     """`amp/loss_scale`, `amp/skipped_steps`, ... with every report; `amp/skip_rate` with the epoch's; every
-    skipped step's record (`amp/overflow_log.json`) with the report after it."""
+    skipped step's record (`amp/overflow_log.json`) with the report after it, and a warning for steps taken
+    with non-finite gradients (`precision.on_nonfinite_grads: warn`)."""
 
     name = "loss_scale"
 
@@ -13,6 +14,7 @@ class LossScaleTelemetry(Hook):
         guard = loop.training.precision.guard
         report.metrics.update(guard.metrics())
         report.overflow_records.extend(guard.drain_overflow_log())
+        report.warnings.extend(guard.drain_warnings())
 
     def end_epoch(self, loop, report) -> None:
         report.metrics.update(loop.training.precision.guard.end_epoch())
