@@ -25,6 +25,7 @@ from orchestrator.train.data import build_datasets
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 from orchestrator.train.modes import eval_mode
 from orchestrator.precision import Policy, apply, dtype_name, parse_dtype, plan
+from orchestrator.precision.finite import model_nonfinite
 
 EXPORT_DTYPES = ("float16", "bfloat16")
 
@@ -80,6 +81,12 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     exported = cast_for_inference(model, cfg.precision, dtype)
+    problem = model_nonfinite(exported)  # a NaN in the source, or a weight beyond what the dtype holds
+    if problem:
+        tracker.set_tag("export_status", "refused")
+        raise ExportRefused(f"export to {dtype_name(dtype)} refused: the exported weights are not finite ({problem}). "
+                            "A weight beyond float16's range (65504) overflows: export to bfloat16 or keep that layer "
+                            "in fp32 (precision.rules); a NaN was in the trained model already.")
     result = ExportResult(dtype_name(dtype), accuracy(model, eval_set, device), accuracy(exported, eval_set, device))
     tracker.log_metrics(result.metrics())
     drop = -result.accuracy_delta
