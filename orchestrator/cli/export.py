@@ -81,12 +81,6 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     exported = cast_for_inference(model, cfg.precision, dtype)
-    problem = model_nonfinite(exported)  # a NaN in the source, or a weight beyond what the dtype holds
-    if problem:
-        tracker.set_tag("export_status", "refused")
-        raise ExportRefused(f"export to {dtype_name(dtype)} refused: the exported weights are not finite ({problem}). "
-                            "A weight beyond float16's range (65504) overflows: export to bfloat16 or keep that layer "
-                            "in fp32 (precision.rules); a NaN was in the trained model already.")
     result = ExportResult(dtype_name(dtype), accuracy(model, eval_set, device), accuracy(exported, eval_set, device))
     tracker.log_metrics(result.metrics())
     drop = -result.accuracy_delta
@@ -96,6 +90,12 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
             f"export to {result.dtype} refused: eval accuracy {result.accuracy:.4f} vs fp32 "
             f"{result.fp32_accuracy:.4f}, a drop of {drop:.4f} > export.max_accuracy_drop={max_drop}. "
             "Keep more layers in fp32 with precision.rules, export to bfloat16, or raise the limit.")
+    problem = model_nonfinite(exported)  # a NaN in the source, or a weight beyond what the dtype holds
+    if problem:
+        tracker.set_tag("export_status", "refused")
+        raise ExportRefused(f"export to {result.dtype} refused: the exported weights are not finite ({problem}). "
+                            "A weight beyond float16's range (65504) overflows: export to bfloat16 or keep that layer "
+                            "in fp32 (precision.rules); a NaN was in the trained model already.")
     example = np.zeros((2, *eval_set[0][0].shape), dtype=np.float32)  # batch 2: export keeps the batch dim dynamic
     tracker.log_model(exported.cpu(), example, name=f"model_{result.dtype}")
     tracker.set_tag("export_status", "logged")

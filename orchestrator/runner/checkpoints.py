@@ -41,7 +41,7 @@ def _read(filesystem, path: str) -> Optional[bytes]:
     try:
         with filesystem.open_input_stream(path) as handle:
             return handle.read()
-    except (FileNotFoundError, OSError):
+    except OSError:  # missing (an incomplete checkpoint), or unreadable
         return None
 
 
