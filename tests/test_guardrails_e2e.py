@@ -142,8 +142,8 @@ def test_nan_loss_skip_leaves_the_scale_and_abort_fails(ray_session, tmp_path, m
     assert run.data.metrics["amp/nan_loss_steps"] == 1.0 and run.data.metrics["amp/skipped_steps"] == 1.0
     assert dict(history(client, run.info.run_id, "amp/loss_scale"))[2] == 1024.0  # no backoff for a bad loss
 
-    # bf16: no scaler, nothing agreed per step; the loss window catches it, on every rank alike.
+    # bf16: no scaler, but every step's flags are agreed all the same: the run fails at the step itself.
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-abort", precision={"preset": "bf16-mixed"},
                 callbacks=[drill("NanLoss", at_step=2)])
     assert rc == 1
-    assert "raised NonFiniteLoss: the loss was not finite in the steps up to 2" in capsys.readouterr().err
+    assert "raised NonFiniteLoss: the loss was not finite at step 2 on rank(s) [0, 1]" in capsys.readouterr().err

@@ -171,8 +171,8 @@ class ScalerGuardSection:
     checkpoint's weights, optimizer and scaler, and go on), `promote` (move the overflowing layers to fp32
     through the policy, and go on)."""
     on_nan_loss: str = "abort"
-    """A non-finite loss (not a gradient overflow): `abort`, or `skip` the step without backing off the
-    scale. The same decision on every rank. `skip` costs a host sync per step when no GradScaler runs."""
+    """A non-finite loss (not a gradient overflow), found on any rank at its step: `abort`, or `skip` the step
+    without backing off the scale (it counts toward `max_consecutive_skips`). The same decision on every rank."""
 
 
 @dataclass
@@ -208,6 +208,11 @@ class PrecisionSection:
     """Clean steps between scale increases."""
     lint: str = "error"
     """What a dangerous combination found before training does: `error` (exit 2), `warn`, or `off`."""
+    on_nonfinite_grads: str = "skip"
+    """Without a GradScaler (fp32, bf16, `loss_scale: none`), gradients holding inf or nan, found on any rank:
+    `skip` the step on every rank (it counts toward `scaler.max_consecutive_skips`), `fail` the run naming the
+    layer, or `warn` and step anyway. Counted in `amp/nonfinite_grad_steps`; checked with one all-reduced flag
+    per step, read on the host. With a GradScaler they are overflows: skipped, the scale backs off."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
     reduce_dtype: str = "float32"

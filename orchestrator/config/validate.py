@@ -13,6 +13,7 @@ from orchestrator.precision.policy import Policy
 LINT_LEVELS = ("error", "warn", "off")
 ON_COLLAPSE = ("abort", "rollback", "promote")
 ON_NAN_LOSS = ("abort", "skip")
+ON_NONFINITE_GRADS = ("skip", "fail", "warn")
 LOADERS = ("dataloader", "device")
 OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 COMM_HOOKS = ("none", "fp16", "bf16")
@@ -89,6 +90,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     guard = cfg.precision.scaler
     r(guard.on_collapse in ON_COLLAPSE, "precision.scaler.on_collapse", f"must be one of {', '.join(ON_COLLAPSE)}.")
     r(guard.on_nan_loss in ON_NAN_LOSS, "precision.scaler.on_nan_loss", f"must be one of {', '.join(ON_NAN_LOSS)}.")
+    r(cfg.precision.on_nonfinite_grads in ON_NONFINITE_GRADS, "precision.on_nonfinite_grads",
+      f"must be one of {', '.join(ON_NONFINITE_GRADS)}.")
     r(guard.min_scale is None or (math.isfinite(guard.min_scale) and guard.min_scale >= 0),
       "precision.scaler.min_scale", f"must be a finite number >= 0, or null to disable, got {guard.min_scale}.")
     r(guard.max_consecutive_skips is None or guard.max_consecutive_skips >= 0,

@@ -7,6 +7,7 @@ starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KIL
 (Ray's start itself: `orchestrator.runner.ray_start`).
 """
 
+import json
 import logging
 import re
 import signal
@@ -99,6 +100,33 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
     return tracker
 
 
+def record_precision_change(tracker, cfg: DictConfig, resumed_from) -> None:
+    """A run resumed under another precision section says what trained when: the tags `preset` and
+    `compute_dtype` name what trains from now on, `precision_history` lists each from its first step (JSON), and
+    the params that changed are logged again as `from_step_<N>/precision.<key>` (MLflow keeps a param's first
+    value)."""
+    from omegaconf import OmegaConf
+
+    now = OmegaConf.to_container(cfg.precision, resolve=True)
+    if resumed_from is None or not resumed_from.precision or resumed_from.precision == now:
+        return
+    before = flatten(OmegaConf.create({"precision": resumed_from.precision}))
+    after = flatten(OmegaConf.create({"precision": now}))
+    first = resumed_from.global_step + 1
+    changed = {key: after.get(key, "(unset)") for key in {**before, **after} if before.get(key) != after.get(key)}
+    history = json.loads(tracker.tags().get("precision_history") or "[]") or [
+        {"from_step": 1, "preset": str(resumed_from.precision.get("preset") or "custom"),
+         "compute_dtype": resumed_from.precision.get("compute_dtype")}]
+    history.append({"from_step": first, "preset": str(cfg.precision.preset or "custom"),
+                    "compute_dtype": cfg.precision.compute_dtype})
+    tracker.log_params({f"from_step_{first}/{key}": value for key, value in changed.items()})
+    tracker.set_tags({"preset": history[-1]["preset"], "compute_dtype": cfg.precision.compute_dtype,
+                      "precision_history": json.dumps(history)})
+    print(f"warning: --resume: the precision section differs from the one run {tracker.run_id} trained with "
+          f"({', '.join(f'{key}: {before.get(key)} -> {value}' for key, value in sorted(changed.items()))}); "
+          f"recorded on the run from step {first}.", file=sys.stderr)
+
+
 def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice,
              parent_run_id: Optional[str] = None) -> RunPlan:
     """The MLflow run of `run` (as `preflight` chose it), created or reopened; BadInput (exit 2) before
@@ -118,6 +146,7 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
         if resume and run.mlflow_run_id:
             tracker = RunTracker.open(uri, run.mlflow_run_id)
             tracker.reopen()
+            record_precision_change(tracker, cfg, run.resumed_from)
         else:
             tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id, run.datasets)
     except BaseException as exc:
@@ -347,9 +376,23 @@ def _failed(plan: RunPlan, end: RunEnd, failure) -> int:
     print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
-          f"Continue from the last checkpoint with: python -m orchestrator.submit {plan.job_path} --resume",
-          file=sys.stderr)
+          f"{resume_hint(plan)}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def resume_hint(plan: RunPlan) -> str:
+    """What a failed run can be continued from: its newest finite checkpoint, named, or nothing."""
+    from orchestrator.runner.checkpoints import newest_finite
+
+    try:
+        stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
+    except OSError as exc:  # storage itself is what failed
+        return f"Its checkpoints could not be listed ({exc})."
+    if stored is None:
+        return ("No finite checkpoint was written: there is nothing to resume. Fix the cause, then run the job "
+                "again without --resume.")
+    return (f"The newest finite checkpoint is {stored.path} (step {stored.facts.global_step}); once the cause is "
+            f"fixed, continue from it with: python -m orchestrator.submit {plan.job_path} --resume")
 
 
 def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]) -> int:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from orchestrator.errors import BadInput
 from orchestrator.precision import Policy, apply, dtype_name, parse_dtype, plan
+from orchestrator.precision.finite import model_nonfinite
 from orchestrator.tracking.logged_model import ModelInputs
 from orchestrator.train.batch import Batches, BatchLayout, InputExample
 from orchestrator.train.data import build_datasets, collate_fn
@@ -104,6 +105,12 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
             f"export to {result.dtype} refused: eval accuracy {result.accuracy:.4f} vs fp32 "
             f"{result.fp32_accuracy:.4f}, a drop of {drop:.4f} > export.max_accuracy_drop={max_drop}. "
             "Keep more layers in fp32 with precision.rules, export to bfloat16, or raise the limit.")
+    problem = model_nonfinite(exported)  # a NaN in the source, or a weight beyond what the dtype holds
+    if problem:
+        tracker.set_tag("export_status", "refused")
+        raise ExportRefused(f"export to {result.dtype} refused: the exported weights are not finite ({problem}). "
+                            "A weight beyond float16's range (65504) overflows: export to bfloat16 or keep that layer "
+                            "in fp32 (precision.rules); a NaN was in the trained model already.")
     exported = exported.cpu()  # takes the inputs training gave the model, in their dtypes (float ones cast inside)
     inputs = ModelInputs.from_example(exported, input_example(cfg, eval_set).state())
     tracker.log_model(exported, inputs, name=f"model_{result.dtype}")

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig
 
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.precision.finite import NonFiniteModel, model_nonfinite
 from orchestrator.train import models
 from orchestrator.train.report import Report
 
@@ -77,12 +78,16 @@ def chosen_checkpoint(cfg: DictConfig, result, tracker):
 
 def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
     """The job's model with the checkpoint's fp32 weights, in eval mode (what is logged and exported predicts:
-    batch statistics never leak into a prediction), and the checkpoint's train state."""
+    batch statistics never leak into a prediction), and the checkpoint's train state. NonFiniteModel when the
+    weights are not finite."""
     from orchestrator.train.checkpoint import load_final_state
 
     state = load_final_state(checkpoint)
     model = models.build_model(cfg.model)
     model.load_state_dict(state.model)
+    problem = model_nonfinite(model)
+    if problem:  # never logged nor exported
+        raise NonFiniteModel(f"its weights are not finite ({problem})")
     return model.eval(), state
 
 
@@ -91,7 +96,7 @@ def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
 
     try:
         result = export(_trained_model(cfg, checkpoint)[0], cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
-    except ExportRefused as exc:
+    except (ExportRefused, NonFiniteModel) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(f"Exported as {result.describe()}")

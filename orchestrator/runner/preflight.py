@@ -4,8 +4,8 @@ before Ray starts, an MLflow run exists or anything reaches a cluster.
 In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
 also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
 precision lint, this machine can hold the workers, and which run it is (a new name that is not taken, or the
-interrupted run `--resume` continues). The config itself was
-checked when it was loaded.
+interrupted run `--resume` continues, checked against its newest checkpoint: `orchestrator.train.resume`).
+The config itself was checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -36,6 +36,9 @@ class RunChoice:
     """The resumed run's MLflow run, when it had one (MLflow may have been down all through it)."""
     datasets: list = field(default_factory=list, compare=False)
     """The train and eval sets it reads (`DatasetLineage`s), logged as the MLflow run's dataset inputs."""
+    resumed_from: Optional[object] = field(default=None, compare=False)
+    """(`resume`) The facts of the checkpoint it continues from (`CheckpointFacts`), when there is one the driver
+    could read."""
 
 
 @dataclass
@@ -80,7 +83,10 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     if not to_job_server:  # a job server's storage is the cluster's
         for storage in dict.fromkeys(cfg.checkpoint.storage_path for cfg in configs):
             check_storage_writable(storage)
-    runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
+    runs = [] if to_job_server else [
+        choose_run(cfg, job_path, resume, model=built[repr((cfg.model, cfg.data, cfg.task))],
+                   train_samples=next(d.num_samples for d in lineage[repr(cfg.data)] if d.context == "train"))
+        for cfg in configs]
     for cfg, run in zip(configs, runs):
         run.datasets = lineage[repr(cfg.data)]
     return Preflight(next(iter(built.values())), runs)
@@ -239,19 +245,45 @@ def default_run_name(job_path: Path) -> str:
     return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def choose_run(cfg: DictConfig, job_path: Path, resume: bool) -> RunChoice:
-    """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run."""
+def choose_run(cfg: DictConfig, job_path: Path, resume: bool, *, model=None,
+               train_samples: Optional[int] = None) -> RunChoice:
+    """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run, checked
+    against its newest checkpoint when `model` (the job's, built on the CPU) and `train_samples` are given."""
     from orchestrator.runner import records
 
     storage = cfg.checkpoint.storage_path
     if resume:
         record = records.find_resumable(storage, job_path)
-        return RunChoice(record["run_name"], resume=True, mlflow_run_id=record.get("run_id"))
+        run = RunChoice(record["run_name"], resume=True, mlflow_run_id=record.get("run_id"))
+        if model is not None and train_samples is not None:
+            run.resumed_from = check_resume_against_run(cfg, run.name, model, train_samples)
+        return run
     name = cfg.run.name or default_run_name(job_path)
     if records.run_exists(storage, name):
         raise BadInput(f"run.name: a run named '{name}' already exists in {storage}. Choose another run.name, "
                        "or continue it with `python -m orchestrator.submit JOB --resume`.")
     return RunChoice(name)
+
+
+def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_samples: int):
+    """The job against the newest checkpoint of the run it resumes, read from storage before Ray starts:
+    IncompatibleResume (exit 2) naming the key and both values when the checkpoint cannot go on under it
+    (`orchestrator.train.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
+    for one written before checkpoints recorded them, on a storage URI: then only the workers check)."""
+    from orchestrator.runner.checkpoints import newest
+    from orchestrator.train.resume import Layout, check_model, check_resume
+
+    stored = newest(cfg.checkpoint.storage_path, run_name)
+    if stored is None:
+        return None
+    if stored.facts is None:
+        print(f"warning: --resume: checkpoint {stored.path} was written by an earlier version without its "
+              "ampflow_checkpoint.json: the job is checked against it on the workers only.", file=sys.stderr)
+        return None
+    where = f"run {run_name} from {stored.name}"
+    check_model(stored.facts, {name: list(t.shape) for name, t in model.state_dict().items()}, cfg, where)
+    check_resume(stored.facts, Layout.of(cfg, train_samples, cfg.scaling.num_workers), where)
+    return stored.facts
 
 
 def check_storage_writable(storage_path: str) -> None:

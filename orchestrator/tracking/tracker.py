@@ -282,6 +282,14 @@ class RunTracker:
             inputs.append(DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, d.context)]))
         self._client.log_inputs(self.run_id, datasets=inputs)
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """More params (new keys: MLflow refuses to change a param's value)."""
+        from mlflow.entities import Param
+
+        items = [Param(key, str(value)) for key, value in redact_all(params).items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self._client.log_batch(self.run_id, params=items[i : i + 100])
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Several tags in one batch; values as text, cut to MLflow's 5000 characters."""
         from mlflow.entities import RunTag
@@ -331,6 +339,9 @@ class RunTracker:
         histories = {key: self.metric_history(key) for key in self._client.get_run(self.run_id).data.metrics}
         return ({key: max(m.step for m in history) for key, history in histories.items()},
                 {key: max(m.timestamp for m in history) for key, history in histories.items()})
+
+    def tags(self) -> dict[str, str]:
+        return dict(self._client.get_run(self.run_id).data.tags)
 
     def run_info(self):
         """The run's MLflow `RunInfo`: status, start_time and end_time (ms), names."""

@@ -5,7 +5,8 @@ rank can read, the model under its precision with its optimizer and schedule, th
 hooks. `run()` then trains: each epoch is steps (`train_step`), a report every
 `tracking.log_every_n_steps` steps, an evaluation every `run.eval_every_n_steps` and a mid-epoch checkpoint
 every `checkpoint.every_n_steps` (each in that step's report), then `end_epoch` (evaluation, the epoch's
-report, a checkpoint; early stopping may end the run there).
+report, a checkpoint; early stopping may end the run there). A checkpoint is staged only once every rank found
+its state finite, and an epoch whose every step was skipped ends the run failed.
 
 Everything else happens in hooks (`orchestrator.train.hooks`): the precision audit, the memory ledger,
 the loss-scale telemetry, collapse recovery, system metrics, the replay outbox, and the job's own
@@ -16,20 +17,21 @@ checkpoints exist to resume from. Ray Train's worker (`orchestrator.runner.worke
 
 import itertools
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from omegaconf import OmegaConf
 
+from orchestrator.precision import NothingTrained
 from orchestrator.train import rng
 from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
 from orchestrator.train.checkpoint import (
-    Candidate, dir_name, load_newest_valid, remove_stale_staging, staged_checkpoint,
+    Candidate, NonFiniteState, dir_name, load_newest_valid, remove_stale_staging, staged_checkpoint,
 )
-from orchestrator.train.collectives import all_agree, all_reduce
+from orchestrator.train.collectives import all_agree, all_gather, all_reduce
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.evaluate import evaluate
@@ -44,6 +46,7 @@ from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.optim import should_step_schedule
+from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
@@ -96,15 +99,19 @@ class TrainingLoop:
         # `run.accumulate_steps` batches of it.
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
-        self.steps_per_epoch = len(self.train_loader) // cfg.run.accumulate_steps
-        if cfg.run.max_steps_per_epoch is not None:
-            self.steps_per_epoch = min(self.steps_per_epoch, cfg.run.max_steps_per_epoch)
-        self.total_steps = self.steps_per_epoch * cfg.run.epochs
+        # Both loaders walk a DistributedSampler over the training set.
+        self.layout = Layout.of(cfg, len(self.train_loader.sampler.dataset), self.world_size)
+        self.steps_per_epoch = self.layout.steps_per_epoch
 
-        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), then the model
-        # under its precision, the optimizer, the schedule and the loss scaler, built from it.
+        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
+        # under this job (or IncompatibleResume), then the model under its precision, the optimizer, the schedule
+        # and the loss scaler, built from it.
         state, self.resume_warnings = load_newest_valid(session.checkpoints(), self.rank,
                                                         lambda ok: all_agree(ok, self.device))
+        resumed = check_resume(CheckpointFacts.of_state(state), self.layout, f"the checkpoint of step "
+                               f"{state.global_step}") if state is not None else None
+        self.total_steps = resumed.total_steps if resumed is not None else self.layout.total_steps
+        self.layout = replace(self.layout, total_steps=self.total_steps)
         self.attempt = int(all_reduce([time.time() * 1000 if self.rank == 0 else 0.0], self.device)[0])
         self.training = self.build(state)
         self.window = Window(self.device)
@@ -124,7 +131,7 @@ class TrainingLoop:
         """The first batch's inputs and the dims that vary between batches, kept in checkpoints for the logged
         model's signature and example."""
         self.checkpoint_report: Optional[dict[str, Any]] = None
-        self.start_epoch, self.start_batches = self.resume(state)
+        self.start_epoch, self.start_batches = self.resume(state, resumed)
 
     # -- training -----------------------------------------------------------------------------------
 
@@ -193,9 +200,13 @@ class TrainingLoop:
                 or (every_n_steps is not None and self.global_step % every_n_steps == 0)):
             report.metrics.update(self.evaluation())
             stop = not last and self.stopping is not None and self.stopping.should_stop(report.metrics)
+        nothing_trained = self.training.precision.guard.nothing_trained(epoch + 1)  # before the hooks reset it
         if stop:
             report.tags["early_stopped_at_epoch"] = str(epoch + 1)
         self.hooks.call("end_epoch", self, report)  # the run's last report: the last epoch's, or tagged as above
+        if nothing_trained is not None:  # the epoch's report goes out; the run cannot end as if it had trained
+            self.send(report)
+            raise NothingTrained(nothing_trained)
         checkpoint_due = last or stop or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
         self.send(report, (epoch, self.steps_per_epoch) if checkpoint_due else None)
         return stop
@@ -213,10 +224,8 @@ class TrainingLoop:
         return metrics
 
     def read_window(self) -> dict[str, float]:
-        """The loss window, reduced over all ranks and reset; a non-finite loss there fails as configured."""
-        metrics = self.window.read()
-        self.training.precision.guard.check_loss_window(metrics["train/loss"], self.global_step)
-        return metrics
+        """The loss window, reduced over all ranks and reset (each step's loss was checked at its step)."""
+        return self.window.read()
 
     # -- reports and checkpoints --------------------------------------------------------------------
 
@@ -227,35 +236,53 @@ class TrainingLoop:
 
     def send(self, report: Report, checkpoint_at: Optional[tuple[int, int]] = None) -> None:
         """Number the report, let every hook add to it, and hand it over; with `checkpoint_at=(epoch,
-        batches_done)` every rank also stages and hands over its part of a checkpoint. The time it takes is left
-        out of `perf/samples_per_s`."""
+        batches_done)` every rank also stages and hands over its part of a checkpoint, once every rank found its
+        state finite: else the report goes alone and NonFiniteState is raised on every rank. The time it takes
+        is left out of `perf/samples_per_s`."""
         began = time.perf_counter()
+        not_finite = self.nonfinite_state() if checkpoint_at is not None else None
         self.seq += 1
         report.seq = self.seq
         self.hooks.call("collect", self, report)
         score = self.cfg.checkpoint.score_metric
         if checkpoint_at is not None and score is not None:
             report.checkpoint_score = checkpoint_score(report.metrics, score, self.cfg.checkpoint.score_mode)
-        if checkpoint_at is None:
+        if checkpoint_at is None or not_finite is not None:
             self.session.report(report.to_wire())
         else:
             own = RankState(rng.capture(), self.window.state(), self.hooks.state_dicts())
-            shared = None
-            if self.rank == 0:  # the shared part: weights, optimizer, schedule, scaler, position
+            shared = facts = None
+            if self.rank == 0:  # the shared part: weights, optimizer, schedule, scaler, position, layout
                 placed = Report(seq=report.seq, step=report.step, epoch=report.epoch, epochs=report.epochs,
                                 total_steps=report.total_steps, metrics=report.metrics).to_wire()
-                shared = self.training.capture().at(
+                state = self.training.capture().at(
                     epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
                     precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id, report=placed,
                     rank=own, report_seq=self.seq,
                     early_stopping=self.stopping.state() if self.stopping is not None else None,
                     sample_shape=self.input_example.sample_shape(),
-                    input_example=self.input_example.state()).to_files()[0]
+                    input_example=self.input_example.state(), layout=self.layout.to_dict())
+                shared, facts = state.to_files()[0], CheckpointFacts.of_state(state).to_json()
             name = dir_name(self.global_step, self.attempt)
-            with staged_checkpoint(self.rank, shared, asdict(own), self.global_step) as directory:
+            with staged_checkpoint(self.rank, shared, asdict(own), self.global_step, facts=facts) as directory:
                 self.hooks.call("on_checkpoint", self, directory, name)
                 self.session.report(report.to_wire(), directory, name)
         self.window.exclude_since(began)
+        if not_finite is not None:
+            raise NonFiniteState(
+                f"the train state is not finite at step {self.global_step} ({not_finite}), so no checkpoint was "
+                "written: the newest checkpoint is still the newest finite one. Look at amp/overflow_log.json for "
+                "the steps before; set precision.on_nonfinite_grads: skip (the default), lower optim.lr, clip "
+                "(optim.clip_grad_norm) or keep the layer named in fp32 (precision.rules).")
+
+    def nonfinite_state(self) -> Optional[str]:
+        """What is not finite where, on any rank, in what a checkpoint would hold (weights, masters, optimizer
+        state); None when every rank's is finite. A collective: every rank calls it at the same point."""
+        problem = self.training.first_nonfinite()
+        if all_agree(problem is None, self.device):
+            return None
+        return "; ".join(f"rank {rank}: {what}" for rank, what in enumerate(all_gather(problem, self.world_size))
+                         if what)
 
     # -- building and resuming ----------------------------------------------------------------------
 
@@ -265,14 +292,12 @@ class TrainingLoop:
         return build_training(self.cfg, self.device, rank=self.rank, world_size=self.world_size,
                               total_steps=self.total_steps, state=state, wrap=self.wrap)
 
-    def resume(self, state: Optional[TrainState]) -> tuple[int, int]:
-        """Exactly where the checkpoint left off (position, RNG, the unreported loss window, the hooks' states);
-        (0, 0) afresh. Returns (epoch, batches done in it)."""
-        if state is None:
+    def resume(self, state: Optional[TrainState], resumed: Optional[Resumed]) -> tuple[int, int]:
+        """Exactly where the checkpoint left off (position as `check_resume` placed it under this job, RNG, the
+        unreported loss window, the hooks' states); (0, 0) afresh. Returns (epoch, batches done in it)."""
+        if state is None or resumed is None:
             return 0, 0
-        epoch, batches_done, self.global_step = state.epoch, state.batches_done, state.global_step
-        if batches_done >= self.steps_per_epoch:
-            epoch, batches_done = epoch + 1, 0
+        epoch, batches_done, self.global_step = resumed.epoch, resumed.batches_done, state.global_step
         if state.rank is not None:
             rng.restore(state.rank.rng)
             self.window.load_state(state.rank.window)

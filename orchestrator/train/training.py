@@ -7,6 +7,7 @@ precision (wrapped for data parallelism, `orchestrator.train.ddp`), the optimize
 "capture (or load) a state, then build from it".
 """
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator.precision import Precision
+from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
 from orchestrator.train.batch import Batch
@@ -22,6 +24,7 @@ from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap, ddp_wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler
+from orchestrator.train.resume import IncompatibleResume, model_mismatch
 from orchestrator.train.state import TrainState
 
 
@@ -91,6 +94,18 @@ class Training:
                           scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
                           scaler=scaling["scaler"], counters=scaling["counters"], promoted=list(self.promoted))
 
+    def first_nonfinite(self) -> Optional[str]:
+        """What a checkpoint would hold that is not finite on this rank (the model's parameters and buffers as
+        stored, the fp32 masters, the optimizer's state), described; None when all of it is finite. Checked on
+        the device, read in one host transfer."""
+        model = self.prepared.raw
+        masters = self.precision.named_tensors if self.precision.masters else []
+        optimizer_state = ((f"optimizer {key} of {name}", value) for name, tensor in self.precision.named_tensors
+                           for key, value in self.optimizer.state.get(tensor, {}).items())
+        return first_nonfinite_tensor(itertools.chain(
+            named_tensors(model.state_dict()), ((f"{name} (fp32 master)", t) for name, t in masters),
+            ((name, t) for name, value in optimizer_state for name, t in named_tensors(value, name))))
+
 
 def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int = 1, total_steps: int,
                    state: Optional[TrainState] = None, wrap: Optional[Wrap] = None) -> Training:
@@ -101,6 +116,11 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     precision = Precision(cfg.precision, device, rank=rank, world_size=world_size, promoted=promoted)
     model = build_model(cfg.model)
     if state is not None:
+        mismatch = model_mismatch({k: list(v.shape) for k, v in state.model.items()},
+                                  {k: list(v.shape) for k, v in model.state_dict().items()})
+        if mismatch:
+            raise IncompatibleResume(f"model: {mismatch} (model.name={cfg.model.name}): the checkpoint was trained "
+                                     "with another model. Set the model back, or start a new run without --resume.")
         model.load_state_dict(state.model)
     memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
     train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so

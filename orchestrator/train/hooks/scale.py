@@ -15,10 +15,11 @@ def is_last_report(report) -> bool:
 
 class LossScaleTelemetry(Hook):
     """`amp/loss_scale` with every report. The counters (`amp/skipped_steps`, `amp/consecutive_skips`,
-    `amp/growth_events`, `amp/rank_disagreements`, `amp/nan_loss_steps`, and the epochs' `amp/skip_rate`) from the
-    first report where one is not zero, and all of them, zero or not, with the run's last report: a clean run
-    draws no flat lines of zeros, yet says once, at its end, that nothing was skipped. Every skipped step's
-    record (`amp/overflow_log.json`) goes with the report after it."""
+    `amp/growth_events`, `amp/rank_disagreements`, `amp/nan_loss_steps`, `amp/nonfinite_grad_steps`, and the
+    epochs' `amp/skip_rate`) from the first report where one is not zero, and all of them, zero or not, with the
+    run's last report: a clean run draws no flat lines of zeros, yet says once, at its end, that nothing was
+    skipped. Every skipped step's record (`amp/overflow_log.json`) goes with the report after it, and a warning
+    for steps taken with non-finite gradients (`precision.on_nonfinite_grads: warn`)."""
 
     name = "loss_scale"
 
@@ -40,6 +41,7 @@ class LossScaleTelemetry(Hook):
                     self.shown.add(key)
                 report.metrics[key] = value
         report.overflow_records.extend(guard.drain_overflow_log())
+        report.warnings.extend(guard.drain_warnings())
 
     def end_epoch(self, loop, report) -> None:
         self.skip_rate = loop.training.precision.guard.end_epoch()["amp/skip_rate"]
