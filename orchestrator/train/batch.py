@@ -192,6 +192,11 @@ class Batches:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def sampler(self):
+        """The loader's sampler (the loop reads the training set's size through it)."""
+        return self.loader.sampler
+
     def __iter__(self) -> Iterator[Batch]:
         return (self.layout.batch(raw) for raw in self.loader)
 
