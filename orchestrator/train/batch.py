@@ -193,8 +193,8 @@ class Batches:
         return len(self.loader)
 
     @property
-    def sampler(self):
-        """The loader's sampler (the loop reads the training set's size through it)."""
+    def sampler(self) -> Any:
+        """The loader's sampler: what it walks (`sampler.dataset`, the split) and where."""
         return self.loader.sampler
 
     def __iter__(self) -> Iterator[Batch]:
