@@ -11,6 +11,8 @@ this module like any user code (it is shipped with the job). Steps are global op
   between checkpoints.
 - `KillRank`: a rank's process dies with `os._exit` at the start of a step, as a preempted node or an OOM
   kill would: no exception, no cleanup. With a `marker` file, only once (a restarted worker group lives).
+- `ReadOnlyPath`, `RemovePath`: a tracking store made read-only, or its artifact directory removed, mid-run.
+- `KillLoaderWorker`: a rank's DataLoader worker processes SIGKILLed mid-epoch.
 - `DiskFull`: the copy of a checkpoint to storage fails part-way with ENOSPC on every rank, as a disk
   filling up does (each rank's file in the checkpoint's storage directory is a link to /dev/full).
 """
@@ -132,3 +134,24 @@ class RemovePath:
             import shutil
 
             shutil.rmtree(self.path)
+
+
+class KillLoaderWorker:
+    def __init__(self, at_step: int, rank: int = 0):
+        """SIGKILL this rank's DataLoader worker processes (its child processes) at the start of step `at_step`,
+        as the kernel's OOM killer would."""
+        self.at_step, self.rank = at_step, rank
+
+    def before_step(self, loop, step) -> None:
+        if loop.rank != self.rank or step.number != self.at_step:
+            return
+        import signal
+
+        import psutil
+
+        children = psutil.Process().children()
+        if not children:
+            raise RuntimeError("drill KillLoaderWorker: this rank has no loader worker processes "
+                               "(data.loader_workers: 0?)")
+        for child in children:
+            os.kill(child.pid, signal.SIGKILL)
