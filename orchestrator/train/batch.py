@@ -205,7 +205,7 @@ class Batches:
             except StopIteration:
                 return
             except Exception as exc:
-                raise loader_failure(exc) from None
+                raise loader_failure(exc, getattr(self.loader, "num_workers", 0)) from None
             yield self.layout.batch(raw)
 
 
@@ -214,11 +214,15 @@ class LoaderFailed(RuntimeError):
     ends (Ray Train restarts it under `failure.max_failures`); the message says which and what to do."""
 
 
-def loader_failure(exc: Exception) -> Exception:
+def loader_failure(exc: Exception, loader_workers: int = 0) -> Exception:
     """`exc` as the loader raised it, or, from its worker processes, as a LoaderFailed in one line: PyTorch
-    reports a dead worker as a RuntimeError, and re-raises a worker's own error with its traceback as the text."""
+    reports a dead worker as a RuntimeError (or, when the worker died while handing over a batch, as the
+    connection error of that hand-over), and re-raises a worker's own error with its traceback as the text."""
     text = str(exc)
-    if "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text):
+    died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
+    if loader_workers > 0 and isinstance(exc, (ConnectionError, EOFError)):
+        died, text = True, f"a DataLoader worker's connection failed ({type(exc).__name__}: {text})"
+    if died:
         return LoaderFailed(f"the data loader failed: {text.strip()} (data.loader_workers: a worker process died, "
                             "killed by a signal or out of memory). With failure.max_failures the run restarts from "
                             "its newest checkpoint; give the workers more memory, or set data.loader_workers: 0 to "
