@@ -38,7 +38,7 @@ def rank_main(rank: int, world_size: int, job: dict, directory: str) -> None:
     from orchestrator.train.fsdp_memory import predict_rank_bytes
     from orchestrator.train.fsdp_strategy import FsdpStrategy
     from orchestrator.train.local import exit_rank
-    from orchestrator.train.memory import bytes_by_dtype, optimizer_state_tensors
+    from orchestrator.precision.ledger import bytes_by_dtype, optimizer_state_tensors
     from orchestrator.train.models import build_model
     from orchestrator.train.optim import build_optimizer
     from orchestrator.train.step import train_step

@@ -17,10 +17,10 @@ from typing import Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from orchestrator.precision.amp import dtype_name
+from orchestrator.precision.dtypes import dtype_name
 from orchestrator.precision.fsdp import FsdpPlan
 from orchestrator.train.fsdp import local
-from orchestrator.train.memory import bytes_by_dtype, optimizer_state_tensors
+from orchestrator.precision.ledger import bytes_by_dtype, optimizer_state_tensors
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
 
