@@ -16,7 +16,7 @@ window is read (`check_loss_window`).
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -102,15 +102,18 @@ class GuardedScaler:
         return self.scaler.scale(loss)
 
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int,
-             named_tensors: Sequence[tuple[str, torch.Tensor]], clip_grad_norm: Optional[float] = None) -> StepOutcome:
+             named_tensors: Sequence[tuple[str, torch.Tensor]], clip_grad_norm: Optional[float] = None,
+             clip_with: Callable[[torch.optim.Optimizer, Optional[float]], Optional[torch.Tensor]] = clip
+             ) -> StepOutcome:
         """Step or skip, the same on every rank. `named_tensors`: the optimizer's tensors by parameter name.
 
         `clip_grad_norm`: clip the optimizer's gradients (the fp32 masters' where there are masters) to this
-        total norm, as torch.amp's recipe says: after unscaling, and only on a step that is taken.
+        total norm, as torch.amp's recipe says: after unscaling, and only on a step that is taken. `clip_with`
+        clips and returns the norm as a plain tensor (under FSDP: the norm over every rank's shards).
         """
         self.counters.epoch_steps += 1
         if not self.agree_each_step:
-            grad_norm = clip(optimizer, clip_grad_norm)
+            grad_norm = clip_with(optimizer, clip_grad_norm)
             optimizer.step()
             self._clean_step()
             return StepOutcome(stepped=True, grad_norm=grad_norm)
@@ -149,7 +152,7 @@ class GuardedScaler:
             self.counters.clean_streak = 0
             return StepOutcome(stepped=False, overflow=True, collapse=self._collapse_reason())
 
-        grad_norm = clip(optimizer, clip_grad_norm)  # unscaled above, and finite on every rank
+        grad_norm = clip_with(optimizer, clip_grad_norm)  # unscaled above, and finite on every rank
         optimizer.step()
         self.scaler.update()
         self._clean_step()

@@ -72,13 +72,13 @@ def chosen_checkpoint(cfg: DictConfig, result, tracker):
 
 def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
     """The job's model with the checkpoint's fp32 weights, in eval mode (what is logged and exported predicts:
-    batch statistics never leak into a prediction), and one input's shape as trained on."""
-    from orchestrator.train.checkpoint import load_final_state
+    batch statistics never leak into a prediction), and one input's shape as trained on. Under FSDP the weights
+    are read whole from the checkpoint's shards here, on the driver."""
+    from orchestrator.train.strategy import load_trained_weights
 
-    state = load_final_state(checkpoint)
     model = models.build_model(cfg.model)
-    model.load_state_dict(state.model)
-    return model.eval(), state.sample_shape
+    sample_shape = load_trained_weights(checkpoint, model)
+    return model.eval(), sample_shape
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:

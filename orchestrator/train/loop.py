@@ -24,10 +24,8 @@ from omegaconf import OmegaConf
 
 from orchestrator.train import rng
 from orchestrator.train.callbacks import build_callbacks
-from orchestrator.train.checkpoint import (
-    Candidate, dir_name, load_newest_valid, remove_stale_staging, staged_checkpoint,
-)
-from orchestrator.train.collectives import all_agree, all_reduce
+from orchestrator.train.checkpoint import Candidate, dir_name, remove_stale_staging
+from orchestrator.train.collectives import all_reduce
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.evaluate import evaluate
@@ -46,6 +44,7 @@ from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
 from orchestrator.train.stopping import EarlyStopping
+from orchestrator.train.strategy import resume
 from orchestrator.train.training import Training, build_training
 from orchestrator.train.window import Window
 
@@ -99,12 +98,11 @@ class TrainingLoop:
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.run.max_steps_per_epoch)
         self.total_steps = self.steps_per_epoch * cfg.run.epochs
 
-        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), then the model
-        # under its precision, the optimizer, the schedule and the loss scaler, built from it.
-        state, self.resume_warnings = load_newest_valid(session.checkpoints(), self.rank,
-                                                        lambda ok: all_agree(ok, self.device))
+        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), and the model under
+        # its precision and strategy, the optimizer, the schedule and the loss scaler, built from it.
         self.attempt = int(all_reduce([time.time() * 1000 if self.rank == 0 else 0.0], self.device)[0])
-        self.training = self.build(state)
+        state, self.resume_warnings, self.training = resume(cfg, session.checkpoints(), self.rank, self.world_size,
+                                                            self.device, self.build)
         self.window = Window(self.device)
         stopping = cfg.run.early_stopping
         self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
@@ -230,7 +228,8 @@ class TrainingLoop:
                     early_stopping=self.stopping.state() if self.stopping is not None else None,
                     sample_shape=self.sample_shape).to_files()[0]
             name = dir_name(self.global_step, self.attempt)
-            with staged_checkpoint(self.rank, shared, asdict(own), self.global_step) as directory:
+            with self.training.strategy.staged_checkpoint(self.training.optimizer, shared, asdict(own),
+                                                          self.global_step) as directory:
                 self.hooks.call("on_checkpoint", self, directory, name)
                 self.session.report(report.to_wire(), directory, name)
         self.window.exclude_since(began)
