@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -219,7 +220,11 @@ def load_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
     """Every rank (a collective), after `verify_sharded_checkpoint` passed on all: load the shards into the live
     model and optimizer (an optimizer the checkpoint holds no state of is left as it is: it had not stepped)."""
     directory = Path(directory)
-    saved = read_metadata(directory / METADATA).state_dict_metadata
+    try:
+        saved = read_metadata(directory / METADATA).state_dict_metadata
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{directory.name}: the shards could not be loaded ({type(exc).__name__}: "
+                                f"{exc})") from None
     stepped = any(key.startswith("optimizer.") for key in saved)
     state = _live_state(model, optimizer, stepped)
     try:
@@ -260,8 +265,10 @@ def read_full_model(directory: Path, model: nn.Module) -> dict[str, torch.Tensor
     state = {key: torch.empty(value.shape, dtype=torch.float32 if value.is_floating_point() else value.dtype)
              for key, value in model.state_dict().items()}
     try:
-        dcp.load({"model": state}, storage_reader=_SafeReader(directory / SHARDED_DIR), planner=_SafePlanner(),
-                 no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, as asked
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, storage_reader=_SafeReader(directory / SHARDED_DIR), planner=_SafePlanner(),
+                     no_dist=True)
     except CheckpointException as exc:
         _, failure = _first_failure(exc)
         raise CorruptCheckpoint(f"{directory.name}: the model could not be read from the shards "
