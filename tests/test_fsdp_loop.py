@@ -47,6 +47,8 @@ def spawned(cfg, directory: Path) -> dict:
     (["scaling.fsdp.wrap=['features', ' ']"], "scaling.fsdp.wrap[1]: must be a glob"),
     (["scaling.strategy=fsdp", "ddp.comm_hook=bf16"], "ddp.comm_hook: 'bf16' compresses DDP's all-reduce, which "
                                                       "scaling.strategy fsdp does not use"),
+    (["scaling.strategy=fsdp", "perf.channels_last=true"], "perf.channels_last: torch's FSDP2 shards contiguous "
+                                                           "parameters only"),
 ])
 def test_a_strategy_setting_that_cannot_work_is_bad_input_naming_its_key(overrides, problem):
     with pytest.raises(BadInput) as info:

@@ -146,3 +146,6 @@ def _check_strategy(cfg: DictConfig, r) -> None:
       f"'{cfg.ddp.comm_hook}' compresses DDP's all-reduce, which scaling.strategy fsdp does not use: FSDP "
       "reduce-scatters gradients in precision.reduce_dtype. Set ddp.comm_hook: none (and precision.reduce_dtype: "
       "bfloat16 to halve the bytes sent).")
+    r(strategy != "fsdp" or not cfg.perf.channels_last, "perf.channels_last",
+      "torch's FSDP2 shards contiguous parameters only, and channels-last convolution weights are not: with "
+      "scaling.strategy fsdp set perf.channels_last: false.")
