@@ -25,6 +25,7 @@ from orchestrator.precision.dtypes import dtype_name
 
 CATEGORIES = ("params", "grads", "optimizer", "master", "activations", "weight_casts")
 
+
 def _held(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: its shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

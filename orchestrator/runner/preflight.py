@@ -3,8 +3,8 @@ before Ray starts, an MLflow run exists or anything reaches a cluster.
 
 In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
 also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
-precision lint, the FSDP units (`scaling.strategy: fsdp`), this machine can hold the workers, and which run it is (a new name that is not taken, or the
-interrupted run `--resume` continues). The config itself was
+precision lint, the FSDP units (`scaling.strategy: fsdp`), this machine can hold the workers, and which run
+it is (a new name that is not taken, or the interrupted run `--resume` continues). The config itself was
 checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job

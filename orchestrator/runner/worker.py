@@ -4,8 +4,8 @@ The adapter adds nothing to the training: rank, world size and device come from 
 context, reports and checkpoints go to `ray.train.report`, the checkpoints to resume from are Ray
 Train's newest and the older ones beside it in the run's storage, and under DDP the model is wrapped by
 Ray Train's `prepare_model` with the job's DDP knobs (under `scaling.strategy: fsdp` the loop shards it
-with FSDP2's `fully_shard` itself, not with Ray's FSDP1 `prepare_model(parallel_strategy="fsdp")`). The controller-side relay turns the reports
-into MLflow (`orchestrator.tracking`).
+with FSDP2's `fully_shard` itself, not with Ray's FSDP1 `prepare_model(parallel_strategy="fsdp")`). The
+controller-side relay turns the reports into MLflow (`orchestrator.tracking`).
 """
 
 from pathlib import Path

@@ -7,7 +7,7 @@ strategy knows whether each rank holds the whole model (`DdpStrategy`) or its sh
 
 | method | DDP | FSDP |
 | --- | --- | --- |
-| `prepare(model, precision)` | `Precision.prepare`, then DDP (or Ray Train's `prepare_model`) | units, policies, `fully_shard`, `FsdpAudit` |
+| `prepare(model, precision)` | `Precision.prepare`, then DDP (Ray Train's `prepare_model`) | `fully_shard` per unit |
 | `named_optimizer_params()` | the fp32 masters where there are some, else the parameters | this rank's shards |
 | `no_sync()` | DDP's `no_sync` | no reduce-scatter |
 | `clip(optimizer, max_norm)` | the norm of the rank's (whole) gradients | the norm over every rank's shards |
