@@ -196,31 +196,33 @@ def full_checkpoint(directory: Path) -> dict:
 
 @pytest.mark.slow
 def test_a_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical_to_an_uninterrupted_run(tmp_path):
-    """O2 (fp16 units computing on fp32 shards), Adam, a loss scale growing every 3 steps and a one-cycle schedule:
-    every piece of state moves. Rank 1 dies at the start of step 6; the newest checkpoint is step 4's, mid-epoch."""
+    """O2 (fp16 units computing on fp32 shards), Adam, a loss scale growing every 2 steps and a one-cycle schedule:
+    every piece of state moves. Rank 1 dies at the start of step 7; the newest checkpoint is step 6's, mid-epoch
+    (the second epoch's, after one evaluation)."""
     from orchestrator.train.models import build_model
     from orchestrator.train.strategy import load_trained_weights
 
     sections = dict(scaling={"num_workers": 2, "strategy": "fsdp"},
-                    precision={"preset": "O2", "init_scale": 1024, "growth_interval": 3},
+                    precision={"preset": "O2", "init_scale": 1024, "growth_interval": 2},
                     optim={"name": "adam", "lr": 0.002, "schedule": "onecycle"},
-                    run={"epochs": 2, "max_steps_per_epoch": 6}, tracking={"log_every_n_steps": 5},
-                    checkpoint={"every_n_steps": 4})
+                    run={"epochs": 2, "max_steps_per_epoch": 4, "batch_size": 16}, tracking={"log_every_n_steps": 3},
+                    checkpoint={"every_n_steps": 3})
     straight = spawned(job_config(tmp_path, "straight", **sections), tmp_path / "straight")
     marker = tmp_path / "killed"
     killed = job_config(tmp_path, "killed", **sections,
-                        callbacks=[drill("KillRank", rank=1, at_step=6, marker=str(marker))])
+                        callbacks=[drill("KillRank", rank=1, at_step=7, marker=str(marker))])
     with pytest.raises(Exception):  # torch.multiprocessing: a rank exited with code 1
         spawned(killed, tmp_path / "resumed")
     assert marker.exists()
-    assert [p.name.split("_")[1] for p in sorted((tmp_path / "resumed" / "checkpoints").iterdir())] == ["000000004"]
+    kept = sorted((tmp_path / "resumed" / "checkpoints").iterdir())
+    assert [p.name.split("_")[1] for p in kept] == ["000000003", "000000004", "000000006"]
     (tmp_path / "resumed" / "rendezvous").unlink(missing_ok=True)  # the killed group's
     resumed = spawned(killed, tmp_path / "resumed")
 
     for name, weight in straight["weights"].items():
         assert torch.equal(resumed["weights"][name], weight), name  # atol=0
-    (final_a,) = (tmp_path / "straight" / "checkpoints").glob("checkpoint_000000012_*")
-    (final_b,) = (tmp_path / "resumed" / "checkpoints").glob("checkpoint_000000012_*")
+    (final_a,) = (tmp_path / "straight" / "checkpoints").glob("checkpoint_000000008_*")
+    (final_b,) = (tmp_path / "resumed" / "checkpoints").glob("checkpoint_000000008_*")
     a, b = full_checkpoint(final_a), full_checkpoint(final_b)
     optimizer_keys = [key for key in a["optimizer"]["state"]]
     assert optimizer_keys and a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
@@ -235,7 +237,7 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical_to_an_u
     for part in ("scaler", "scheduler", "counters"):
         assert state_a[part] == state_b[part], part
     assert state_a["scaler"]["scale"] > 1024.0  # the scale grew: its state came back too
-    assert resumed["reports"][0].tags.get("resumed_from_step") == "4"
+    assert resumed["reports"][0].tags.get("resumed_from_step") == "6"
 
     # The final model, read whole from the shards in this process (as the driver logs it): the trained weights.
     model = build_model(killed.model)

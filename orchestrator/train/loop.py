@@ -81,7 +81,8 @@ class TrainingLoop:
     def __init__(self, cfg, session: Session, *, run_id: Optional[str] = None, launched_at: Optional[float] = None,
                  wrap: Optional[Wrap] = None, hooks: Sequence[Any] = ()):
         """`run_id`: the MLflow run (kept in checkpoints). `launched_at`: when submit began (wall clock), for
-        `perf/time_to_first_step_s`. `wrap`: how the model is wrapped for data parallelism (default: DDP).
+        `perf/time_to_first_step_s`. `wrap`: how the model is wrapped under DDP (default: torch's; `scaling.strategy:
+        fsdp` shards it instead).
         `hooks`: more hooks (objects with hook methods, `orchestrator.train.hooks`), run after the built-in ones
         and before the job's `callbacks`."""
         self.cfg, self.session, self.run_id, self.wrap = cfg, session, run_id, wrap
