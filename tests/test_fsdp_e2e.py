@@ -1,13 +1,14 @@
-"""The quickstart under `scaling.strategy: fsdp` through submit: 2 Ray Train workers shard the model with FSDP2, a
-killed worker resumes from the sharded checkpoint in the same MLflow run, and the logged model and the export
-come from the full weights, read on the driver from the shards. Real Ray, a real MLflow store."""
+"""`scaling.strategy: fsdp` through submit: 2 Ray Train workers shard the model with FSDP2; a killed worker resumes
+from the sharded checkpoint in the same MLflow run (restarted by Ray Train, or continued by `submit --resume`), and
+the logged model and the export come from the full weights, read on the driver from the shards. Real Ray, a real
+MLflow store."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, drill
+from conftest import REPO, drill, small_job
 from test_resume_e2e import each_step_once
 from test_submit_e2e import only_run
 
@@ -80,3 +81,71 @@ def test_quickstart_on_two_fsdp_workers_survives_a_killed_worker_and_logs_the_fu
     assert export_main([run.info.run_id, "--dtype", "float16", "--tracking-uri", mlflow_uri]) == 0
     names = {m.name for m in client.search_logged_models([run.info.experiment_id])}
     assert names == {"model", "model_bfloat16", "model_float16"}
+
+
+def test_an_o2_fsdp_run_whose_worker_died_continues_with_resume_and_logs_the_full_model_and_memory_per_rank(
+        ray_session, tmp_path, monkeypatch, write_job, mlflow_uri):
+    """O2 (fp16 units, fp32 shards, a loss scale) with one fp32 layer, 2 FSDP workers, 4 steps. Rank 1 dies at step 3
+    with no restarts left: the run fails, its sharded checkpoint of step 2 kept; `submit --resume` continues it
+    from that checkpoint in the same MLflow run, which ends with the model read whole from the final shards, the
+    audit of each layer's dtypes, and the memory each rank holds (half the model's parameters)."""
+    import json
+
+    from orchestrator.cli.submit import main
+    from orchestrator.config import load_job
+    from orchestrator.tracking.tracker import RunTracker
+    from orchestrator.train.data import build_datasets
+    from orchestrator.train.models import build_model
+    from orchestrator.train.strategy import load_trained_weights
+    from test_guardrails_e2e import artifact_json
+
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "killed"
+    job = write_job(small_job(
+        scaling={"strategy": "fsdp"},
+        precision={"preset": "O2", "rules": [{"match": "classifier.3", "dtype": "float32"}]},
+        run={"epochs": 1, "max_steps_per_epoch": 4}, checkpoint={"every_n_steps": 2},
+        tracking={"uri": mlflow_uri, "experiment": "fsdp-o2", "log_every_n_steps": 1, "log_model": True},
+        failure={"max_failures": 0}, callbacks=[drill("KillRank", rank=1, at_step=3, marker=str(marker))]))
+    assert main([str(job)]) == 1  # no restart left: the run fails, resumable
+    assert marker.exists(), "the worker was never killed"
+    client, failed = only_run(mlflow_uri, "fsdp-o2")
+    assert failed.info.status == "FAILED" and not client.search_logged_models([failed.info.experiment_id])
+    (kept,) = tmp_path.glob("ray_results/*/checkpoint_000000002_*")
+    assert (kept / "sharded" / ".metadata").is_file()
+
+    assert main([str(job), "--resume"]) == 0
+    client, run = only_run(mlflow_uri, "fsdp-o2")  # the same run, continued
+    assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["resumed_from_step"] == "2"
+    assert each_step_once(client, run.info.run_id, "train/loss") == [1, 2, 3, 4]
+    assert each_step_once(client, run.info.run_id, "amp/loss_scale") == [1, 2, 3, 4]
+
+    # Memory per rank: each holds half of every parameter, gradient and momentum buffer (fp32 shards: O2's masters).
+    metrics = run.data.metrics
+    for category in ("params", "grads", "optimizer"):
+        assert metrics[f"memory/{category}/float32"] == SIMPLE_CNN_PARAMS * 2, category
+    assert metrics["memory/state_bytes/rank0"] == metrics["memory/state_bytes/rank1"] == 3 * SIMPLE_CNN_PARAMS * 2
+    assert metrics["memory/params_bytes"] == SIMPLE_CNN_PARAMS * 2
+    assert metrics["memory/activations/float16"] > 0  # the units compute in fp16
+    # The audit: the rule's layer a unit of its own computing in fp32 (handing on fp16, the dtype around it), the
+    # others gathered to fp16; every layer stored, computed and output what it promised.
+    audit = {e["name"]: e for e in artifact_json(client, run.info.run_id, "precision/audit.json")}
+    assert (audit["classifier.3"]["param_dtype"], audit["classifier.3"]["output_dtype"]) == ("float32", "float16")
+    assert audit["classifier.3"]["unit"] == "classifier.3"
+    assert all(e["output_dtype"] == e["promised_output_dtype"] for e in audit.values() if e["promised_output_dtype"])
+    assert (audit["classifier.1"]["param_dtype"], audit["classifier.1"]["output_dtype"]) == ("float16", "float16")
+    assert {e["storage_dtype"] for e in audit.values() if e["storage_dtype"]} == {"float32"}
+
+    # The logged model is the final checkpoint's shards, whole: the trained weights, fp32, in eval mode.
+    (final,) = tmp_path.glob("ray_results/*/checkpoint_000000004_*")
+    assert json.loads((final / "manifest_rank1.json").read_text())["strategy"] == "fsdp"
+    cfg = load_job(job)
+    trained = build_model(cfg.model)
+    load_trained_weights(Directory(final), trained)
+    logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model()
+    assert {p.dtype for p in logged.parameters()} == {torch.float32}
+    _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
+    batch = torch.stack([eval_set[i][0] for i in range(6)])
+    with torch.no_grad():
+        torch.testing.assert_close(logged(batch), trained.eval()(batch), rtol=1e-4, atol=1e-5)
