@@ -176,11 +176,12 @@ class LoopStepper:
         self.training = self.loop.training
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor):
+        from orchestrator.train.batch import Batch
         from orchestrator.train.step import Step
 
         loop = self.loop
         loop.global_step += 1
-        return loop.train_step(Step(loop.global_step, 0, loop.global_step - 1, [(inputs, targets)]))
+        return loop.train_step(Step(loop.global_step, 0, loop.global_step - 1, [Batch.pair(inputs, targets)]))
 
     def report(self):
         loop = self.loop

@@ -46,14 +46,14 @@ def samples_per_s(overrides: list[str], *, device: torch.device, model: str, pre
     try:
         while True:
             position.set_position(epoch, 0, batch)
-            for inputs, targets in loader:
+            for batch in loader:
                 step += 1
-                stepper.step(inputs, targets)
+                stepper.step(batch.args[0], batch.targets)
                 if step == warmup:
                     sync()
                     started = time.perf_counter()
                 elif step > warmup:
-                    timed += len(targets)
+                    timed += batch.size
                     if step == warmup + steps:
                         sync()
                         return timed / (time.perf_counter() - started)

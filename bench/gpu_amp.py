@@ -5,6 +5,8 @@ Candidates (CUDA only; CIFAR-shaped synthetic data kept on the GPU, 10 classes, 
 
 - `fp32`: no autocast, with TF32 OFF (`torch.backends.cuda.matmul.allow_tf32 = False`,
   `torch.backends.cudnn.allow_tf32 = False`), so the baseline is true fp32 arithmetic;
+- `fp32_tf32`: the same with TF32 ON (both flags True, what many training scripts set): the second baseline,
+  throughput only (TF32 changes the arithmetic, not the memory);
 - `fp16`: `torch.autocast(dtype=float16)` + `torch.amp.GradScaler`;
 - `bf16`: `torch.autocast(dtype=bfloat16)`, no scaler (bf16 has fp32's exponent range);
 
@@ -18,7 +20,9 @@ data): model, gradients, optimizer state, activations and workspace of that cand
 
 Ratios, per channels_last setting (suffix `_nchw` or `_channels_last`): `fp16_speedup`,
 `bf16_speedup` (samples/s vs fp32 of the same layout; target >= 2.5) and `fp16_peak_memory`,
-`bf16_peak_memory` (peak bytes vs fp32 of the same layout; target <= 0.6).
+`bf16_peak_memory` (peak bytes vs fp32 of the same layout; target <= 0.6); and against the TF32 baseline
+`fp16_speedup_vs_tf32`, `bf16_speedup_vs_tf32` (no target: they say how much of the gain TF32 alone gives).
+Each candidate sets the TF32 flags at every step (cuDNN keys its algorithm choice by them), so they interleave.
 
 Imports only torch, torchvision (through orchestrator.train.models), the standard library and
 bench.common, so it runs where Ray and MLflow are not installed. Without CUDA it prints
@@ -36,7 +40,7 @@ from bench import common
 
 HARNESS = "gpu_amp"
 SPEEDUP_TARGET, MEMORY_TARGET = ">= 2.5", "<= 0.6"
-DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": None, "fp32_tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Candidate:
@@ -46,6 +50,7 @@ class Candidate:
         from orchestrator.train.models import resnet18
 
         self.dtype = DTYPES[dtype_name]
+        self.tf32 = dtype_name == "fp32_tf32"
         self.format = torch.channels_last if channels_last else torch.contiguous_format
         self.model = resnet18(num_classes=10)
         self.model.load_state_dict(weights)
@@ -58,6 +63,7 @@ class Candidate:
     def step(self) -> None:
         inputs, targets = self.batches[self.index % len(self.batches)]
         self.index += 1
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
         context = torch.autocast("cuda", dtype=self.dtype) if self.dtype is not None else contextlib.nullcontext()
         with context:
             loss = F.cross_entropy(self.model(inputs).float(), targets)
@@ -72,8 +78,8 @@ def name_of(dtype_name: str, channels_last: bool) -> str:
 
 
 def main(argv=None) -> int:
-    cli = common.parser(HARNESS, "ResNet-18 train steps on CUDA: fp32 (TF32 off) vs fp16+GradScaler vs bf16, "
-                                 "channels_last off/on: throughput and peak memory")
+    cli = common.parser(HARNESS, "ResNet-18 train steps on CUDA: fp32 (TF32 off, and on) vs fp16+GradScaler vs "
+                                 "bf16, channels_last off/on: throughput and peak memory")
     cli.add_argument("--batch-size", type=int, help="default 512; 64 with --smoke")
     cli.add_argument("--repeats", type=int, help="timed rounds per candidate (default 7; 2 with --smoke)")
     cli.add_argument("--steps", type=int, help="steps per round (default 20; 3 with --smoke)")
@@ -106,6 +112,8 @@ def main(argv=None) -> int:
     # Peak memory, one candidate alive at a time.
     peak = {}
     for dtype_name, channels_last in setups:
+        if dtype_name == "fp32_tf32":
+            continue
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
@@ -126,11 +134,12 @@ def main(argv=None) -> int:
                                steps=steps, sync=common.synchronize(device))
     throughput = {name: batch / common.median(values) for name, values in times.items()}
 
-    print(f"bench.gpu_amp on {common.device_description(device)}: resnet18 (32x32), batch {batch}, TF32 off, "
-          f"{repeats} rounds x {steps} steps after {warmup} warm-up steps each")
+    print(f"bench.gpu_amp on {common.device_description(device)}: resnet18 (32x32), batch {batch}, TF32 off but for "
+          f"fp32_tf32, {repeats} rounds x {steps} steps after {warmup} warm-up steps each")
     common.print_table(["candidate", "samples/s", "ms/step", "spread", "peak MiB"],
                        [[name, throughput[name], common.median(times[name]) * 1e3,
-                         f"{common.spread(times[name]) * 100:.1f}%", peak[name] / 2**20] for name in candidates])
+                         f"{common.spread(times[name]) * 100:.1f}%", peak[name] / 2**20 if name in peak else "-"]
+                        for name in candidates])
     ratios, targets = {}, {}
     for layout in ("nchw", "channels_last"):
         for dtype_name in ("fp16", "bf16"):
@@ -138,9 +147,12 @@ def main(argv=None) -> int:
             ratios[speedup] = throughput[f"{dtype_name}_{layout}"] / throughput[f"fp32_{layout}"]
             ratios[memory] = peak[f"{dtype_name}_{layout}"] / peak[f"fp32_{layout}"]
             targets[speedup], targets[memory] = SPEEDUP_TARGET, MEMORY_TARGET
+            ratios[f"{dtype_name}_speedup_vs_tf32_{layout}"] = (throughput[f"{dtype_name}_{layout}"]
+                                                                / throughput[f"fp32_tf32_{layout}"])
     common.finish(
         HARNESS, device=common.device_description(device),
-        config={"model": "resnet18 (32x32)", "batch_size": batch, "tf32": False, "cudnn_benchmark": True,
+        config={"model": "resnet18 (32x32)", "batch_size": batch, "tf32": "off, on for fp32_tf32",
+                "cudnn_benchmark": True,
                 "warmup": warmup, "repeats": repeats, "steps_per_repeat": steps, "smoke": args.smoke},
         figures={"samples_per_s": throughput, "peak_bytes": peak,
                  "ms_per_step_repeats": {name: [t * 1e3 for t in values] for name, values in times.items()}},

@@ -16,6 +16,13 @@ model, weights, batches and optimizer):
 Both make one host sync per step (GradScaler.step reads found-inf; GuardedScaler reads its flag
 vector instead), so the difference is the bookkeeping.
 
+Without a GradScaler (fp32, bf16) the loop still checks every step's gradients and loss with one all-reduced
+flag vector read on the host (`precision.on_nonfinite_grads`). Its cost is measured apart, on preset O0 (fp32),
+the loop's step against itself: `checked` is the loop step as it runs; `unchecked` is the same loop whose guard
+steps the optimizer without computing or reading the flags (a stand-in built here, never used by training).
+The difference is the check: GradScaler's non-finite kernel over the gradients, the loss's isfinite and one
+host read (plus, on several ranks, one all-reduce of 2 x world-size floats).
+
 MLflow is measured separately: in ampflow the workers never talk to MLflow. Reports travel to the
 driver, where `orchestrator.tracking.writer.MlflowWriter` logs them from its own thread, off the
 training loop. The harness times that writer (`enqueue` + `_flush`, one `log_batch` per report)
@@ -62,6 +69,47 @@ def time_mlflow_writer(reports: list, repeats: int) -> dict[str, float]:
             per_report.append(time.perf_counter() - started)
         tracker.finish("FINISHED")
     return {"median_s": common.median(per_report), "spread": common.spread(per_report), "reports": len(per_report)}
+
+
+def without_grad_check(guard) -> None:
+    """Make `guard` (a GuardedScaler without a scaler) step without the per-step flags: clip, step, count, as a
+    loop that trusts its gradients would. The baseline of the gradient check's cost, for this harness only."""
+    from orchestrator.precision.scaling import StepOutcome, clip
+
+    assert not guard.scaler.is_enabled()
+
+    def step(optimizer, loss, number, named_tensors, clip_grad_norm=None):
+        guard.counters.epoch_steps += 1
+        grad_norm = clip(optimizer, clip_grad_norm)
+        optimizer.step()
+        guard._clean_step()
+        return StepOutcome(stepped=True, grad_norm=grad_norm)
+
+    guard.step = step
+
+
+def time_grad_check(device, model_name: str, batch: int, batches: list, *, warmup: int, repeats: int,
+                    steps: int) -> dict[str, list[float]]:
+    """Seconds per loop step on preset O0 with the gradient check (`checked`) and without it (`unchecked`), and
+    seconds per check alone (`alone`: the flags computed and read on the checked loop's latest gradients), the
+    three interleaved round by round so that they share the machine's moments."""
+    cfg = common.job_config({"model": {"name": model_name}, "data": {"name": "synthetic"},
+                             "precision": {"preset": "O0"}, "run": {"batch_size": batch},
+                             "tracking": {"system_metrics_interval_s": 0}})
+    checked, unchecked = common.LoopStepper(cfg, device), common.LoopStepper(cfg, device)
+    unchecked.training.prepared.raw.load_state_dict(checked.training.prepared.raw.state_dict())
+    without_grad_check(unchecked.training.precision.guard)
+    streams = {"checked": itertools.cycle(batches), "unchecked": itertools.cycle(batches)}
+    guard, optimizer = checked.training.precision.guard, checked.training.optimizer
+    loss = torch.tensor(1.0, device=device)
+    try:
+        return common.interleaved({"checked": lambda: checked.step(*next(streams["checked"])),
+                                   "unchecked": lambda: unchecked.step(*next(streams["unchecked"])),
+                                   "alone": lambda: guard._agree(optimizer, loss)},
+                                  warmup=warmup, repeats=repeats, steps=steps, sync=common.synchronize(device))
+    finally:
+        checked.close()
+        unchecked.close()
 
 
 def main(argv=None) -> int:
@@ -171,6 +219,21 @@ def main(argv=None) -> int:
                "system_metrics_interval_s": args.system_metrics_interval, "system_samples_taken": samples_taken,
                "system_sample_ms": sample_ms}
     print(f"overflow attribution (skipped steps only): {attribution_ms:.3g} ms")
+
+    check_times = time_grad_check(device, model_name, batch, batches, warmup=warmup, repeats=repeats, steps=steps)
+    check_med = {name: common.median(values) for name, values in check_times.items()}
+    print("gradient check without a scaler (preset O0, the loop step with and without it):")
+    common.print_table(["candidate", "ms/step", "spread"], [[name, check_med[name] * 1e3,
+                                                             f"{common.spread(values) * 100:.1f}%"]
+                                                            for name, values in check_times.items()
+                                                            if name != "alone"])
+    alone_share = common.median([a / u for a, u in zip(check_times["alone"], check_times["unchecked"])])
+    print(f"the check alone (flags computed and read on the step's gradients): {check_med['alone'] * 1e3:.3g} ms, "
+          f"{alone_share * 100:.2g}% of an unchecked step (median over rounds)")
+    figures.update({"grad_check_alone_ms": check_med["alone"] * 1e3, "grad_check_alone_share": alone_share,
+                    "fp32_checked_ms_per_step": check_med["checked"] * 1e3,
+                    "fp32_unchecked_ms_per_step": check_med["unchecked"] * 1e3,
+                    "grad_check_ms_per_step": (check_med["checked"] - check_med["unchecked"]) * 1e3})
     print(f"system metrics: {samples_taken} samples during the run; one sample takes {sample_ms:.3g} ms on the "
           f"sampler's thread (every 10 s by default: {sample_ms / 100:.2g}% of one core)")
     if not args.no_mlflow:
@@ -185,7 +248,8 @@ def main(argv=None) -> int:
         config={"model": model_name, "batch_size": batch, "preset": "O1", "log_every_n_steps": args.log_every,
                 "warmup": warmup, "repeats": repeats, "steps_per_repeat": steps, "mlflow": not args.no_mlflow,
                 "smoke": args.smoke},
-        figures=figures, ratios={"telemetry_step_time": med["full"] / med["none"]},
+        figures=figures, ratios={"telemetry_step_time": med["full"] / med["none"],
+                                 "grad_check_step_time": check_med["checked"] / check_med["unchecked"]},
         targets={"telemetry_step_time": TARGET}, json_path=args.json)
     return 0
 

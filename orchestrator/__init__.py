@@ -1,13 +1,15 @@
 """ampflow: mixed-precision distributed training on Ray Train, tracked in MLflow.
 
 `from orchestrator import run` trains a job from Python (`orchestrator.api`); bad input raises `BadInput`,
-Ctrl-C or SIGTERM `Interrupted`, and a run's outcome is a `RunResult`. The commands are
-`python -m orchestrator.submit|sweep|jobs|summary|export` (or `ampflow ...`).
+Ctrl-C or SIGTERM `Interrupted`, and a run's outcome is a `RunResult`. `orchestrator.predict(run_id or
+model_uri, data)` runs a logged model in the precision it was trained or exported in
+(`orchestrator.runner.predict`). The commands are `python -m orchestrator.submit|sweep|jobs|summary|export|
+predict` (or `ampflow ...`).
 """
 
 from orchestrator.errors import BadInput, Interrupted
 
-__all__ = ["run", "RunResult", "BadInput", "Interrupted"]
+__all__ = ["run", "predict", "RunResult", "BadInput", "Interrupted"]
 
 
 def __getattr__(name: str):
@@ -16,4 +18,8 @@ def __getattr__(name: str):
         from orchestrator import api
 
         return getattr(api, name)
+    if name == "predict":
+        from orchestrator.runner.predict import predict
+
+        return predict
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

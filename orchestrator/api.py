@@ -6,9 +6,9 @@
 
 The same pre-flight, MLflow run and Ray Train run as `python -m orchestrator.submit`, with
 exceptions where the CLI has exit codes: bad input raises `BadInput` (nothing started, no MLflow run),
-Ctrl-C raises `Interrupted` (the run closed KILLED), and a training that fails returns a `RunResult`
-with status FAILED and the worker's error (the MLflow run marked FAILED), as Ray Train's `fit()` hands
-back its result. Works from a notebook: nothing exits the interpreter, and when Ray is already
+Ctrl-C raises `Interrupted` (the run closed KILLED), and a training that fails, or a Ray that cannot be
+started or reached, returns a `RunResult` with status FAILED and the error (the MLflow run marked FAILED),
+as Ray Train's `fit()` hands back its result. Works from a notebook: nothing exits the interpreter, and when Ray is already
 initialised (`ray.init()` in the notebook) the run uses that Ray and leaves it running.
 """
 
@@ -28,8 +28,9 @@ Job = Union[str, Path, Mapping[str, Any], DictConfig]
 
 def run(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None, *,
         resume: bool = False) -> RunResult:
-    """Train `job` (a YAML path, a dict or a DictConfig) with `overrides` (`section.key=value`) on a local Ray
-    (`address` None) or an existing cluster (`address`: its GCS address, `HOST:6379`, or "auto").
+    """Train `job` (a YAML path, a dict or a DictConfig) with `overrides` (`section.key=value`) on a local Ray of its
+    own (`address` None and no `$RAY_ADDRESS`) or an existing cluster (`address`: its GCS address, `HOST:6379`, or
+    "auto"), waited for at most `ray_start.CLUSTER_WAIT_S`.
     `resume`: continue the job file's newest interrupted run instead (as `submit --resume`)."""
     return train(job, overrides, address, resume=resume)[0]
 

@@ -4,9 +4,12 @@ Bad input exits 2 before Ray starts; a run that trained and failed exits 1; Ctrl
 SIGTERM 143 (128 + the signal's number, as shells report a process a signal ended).
 """
 
+import logging
+import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 EXIT_OK = 0
 """Done: the run finished, the job SUCCEEDED, the command did what was asked."""
@@ -56,14 +59,55 @@ class Interrupted(KeyboardInterrupt):
 
     @classmethod
     def of(cls, exc: BaseException) -> "Interrupted":
-        """`exc` as an Interrupted: ours as it is; a bare KeyboardInterrupt, or the SystemExit Ray Train's SIGINT
-        handler raises inside `fit()`, as the signal `interrupt_on_sigterm` last caught (Ray's blocking calls may
-        raise a plain KeyboardInterrupt in its place), else SIGINT."""
+        """`exc` as an Interrupted: ours as it is; a bare KeyboardInterrupt, or the SystemExit the SIGTERM handler
+        of `ray.init` raises, as the signal our handlers last caught (Ray's blocking calls may raise a plain
+        KeyboardInterrupt in its place), else SIGINT."""
         return exc if isinstance(exc, Interrupted) else cls(_caught.get("signum", signal.SIGINT))
 
 
 _caught: dict[str, int] = {}
-"""The signal `interrupt_on_sigterm`'s handler last caught."""
+"""The signal `interrupt_on_sigterm`'s (or `interrupt_on_sigint`'s) handler last caught."""
+
+INTERRUPT_DEADLINE_S = 25.0
+"""The commands (submit, sweep) exit at the latest this long after the first Ctrl-C or SIGTERM, with 128 + its
+number, whatever is still closing: within the 30 s that Kubernetes, `jobs stop` and people give a process before
+they kill it. Closing takes a few seconds (the workers stopped, the MLflow run closed KILLED, Ray shut down); the
+deadline is for what hangs. The processes of a Ray the command started are then stopped by Ray's reaper."""
+
+_deadline: dict[str, object] = {}
+"""`exit_within`'s limit ("seconds"), and the timer the first interrupt started ("timer")."""
+
+
+def interrupted_by(signum: int) -> "Interrupted":
+    """The Interrupted for `signum`, caught by a handler other than ours (ray.init's SIGTERM handler exits with
+    the signal's number): recorded as ours record it, and `exit_within`'s deadline started."""
+    _caught["signum"] = signum
+    _start_deadline(signum)
+    return Interrupted(signum)
+
+
+def _interrupt(signum, frame):
+    _caught["signum"] = signum
+    _start_deadline(signum)
+    if frame is not None and frame.f_code in _NOT_HERE:
+        # Raised here, the exception would be dropped ("Exception ignored") and logging's module lock left held,
+        # so every other thread's next logging call would wait forever (MLflow's, creating the run beside Ray's
+        # start, which forks its processes). The signal is sent again a moment later, to land elsewhere.
+        _send_again(signum)
+        return
+    raise Interrupted(signum)
+
+
+_NOT_HERE = frozenset({logging._acquireLock.__code__, logging._releaseLock.__code__})
+"""Code an interrupt must not be raised in: logging's lock calls, which Python runs around each fork (ray.init
+starts its processes with one) as at-fork callbacks, where an exception cannot propagate."""
+
+
+def _send_again(signum: int) -> None:
+    """Send `signum` to this process's main thread again in `REDELIVERY_DELAY_S`."""
+    timer = threading.Timer(REDELIVERY_DELAY_S, signal.pthread_kill, (threading.main_thread().ident, signum))
+    timer.daemon = True
+    timer.start()
 
 
 def interrupt_on_sigterm():
@@ -72,17 +116,49 @@ def interrupt_on_sigterm():
     thread, where no handler can be installed: a notebook's or a service's own threads).
 
     Also installs `redeliver_swallowed_interrupts`: a signal can land while Python runs a weakref callback or a
-    `__del__` (SQLAlchemy's run after most MLflow calls), where the exception is printed as "Exception ignored"
-    and dropped; the signal is then sent again, so that it reaches the code that closes the run."""
+    `__del__` (SQLAlchemy's run after most MLflow calls), where Python cannot raise its exception and drops it;
+    the signal is then sent again, so that it reaches the code that closes the run."""
     if threading.current_thread() is not threading.main_thread():
         return None
-
-    def interrupt(signum, frame):
-        _caught["signum"] = signum
-        raise Interrupted(signum)
-
     redeliver_swallowed_interrupts()
-    return signal.signal(signal.SIGTERM, interrupt)
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def interrupt_on_sigint():
+    """Ctrl-C raises `Interrupted(SIGINT)` (a KeyboardInterrupt, as Python's own handler raises), and starts
+    `exit_within`'s deadline when one is set. Returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    redeliver_swallowed_interrupts()
+    return signal.signal(signal.SIGINT, _interrupt)
+
+
+def exit_within(seconds: Optional[float]) -> None:
+    """From now on, the process ends at the latest `seconds` after the first Ctrl-C or SIGTERM its handlers
+    (`interrupt_on_sigterm`, `interrupt_on_sigint`) catch, with 128 + that signal's number; None: never forced.
+    For commands only: a notebook or service that calls `run()` is never exited."""
+    _deadline["seconds"] = seconds
+
+
+def _start_deadline(signum: int) -> None:
+    seconds = _deadline.get("seconds")
+    if seconds is None or "timer" in _deadline:
+        return
+    timer = threading.Timer(seconds, _exit_now, (signum, seconds))
+    timer.daemon = True
+    _deadline["timer"] = timer
+    timer.start()
+
+
+def _exit_now(signum: int, seconds: float) -> None:
+    # Straight to file descriptor 2: the main thread may hold sys.stderr's lock (that may be what hangs).
+    message = (f"\ninterrupted ({signal.Signals(signum).name}): still closing {seconds:g} s after the signal; "
+               f"exiting now with {128 + signum}.\n")
+    try:
+        os.write(2, message.encode())
+    except OSError:
+        pass
+    os._exit(128 + signum)
 
 
 REDELIVERY_DELAY_S = 0.05
@@ -92,20 +168,24 @@ return, so the next one lands in ordinary code."""
 
 def redeliver_swallowed_interrupts() -> None:
     """Chain a `sys.unraisablehook` that sends the signal of a KeyboardInterrupt (an `Interrupted`: its signal;
-    a plain one: SIGINT) Python could not raise, from a short timer, to this process's main thread. Other
-    unraisable exceptions go to the previous hook unchanged. Idempotent."""
+    a plain one: SIGINT), or of ray.init's SIGTERM exit, that Python could not raise, from a short timer, to this
+    process's main thread. Other unraisable exceptions go to the previous hook unchanged. Idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "redelivers_interrupts", False):
         return
 
     def hook(unraisable) -> None:
-        previous(unraisable)  # the "Exception ignored in ..." lines, as before
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            signum = getattr(unraisable.exc_value, "signum", signal.SIGINT)
-            timer = threading.Timer(REDELIVERY_DELAY_S, signal.pthread_kill,
-                                    (threading.main_thread().ident, signum))
-            timer.daemon = True
-            timer.start()
+        exc = unraisable.exc_value
+        if isinstance(exc, KeyboardInterrupt):
+            signum = getattr(exc, "signum", signal.SIGINT)
+        elif isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:  # ray.init's SIGTERM handler's
+            signum = signal.SIGTERM
+        else:
+            previous(unraisable)  # the "Exception ignored in ..." lines, as before
+            return
+        # The interrupt is not lost (it is sent again), so nothing is printed: one line ends the command.
+        interrupted_by(signum)
+        _send_again(signum)
 
     hook.redelivers_interrupts = True
     sys.unraisablehook = hook

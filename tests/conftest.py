@@ -22,6 +22,45 @@ def ray_session():
 
 
 @pytest.fixture
+def ray_tmpdir():
+    """A Ray temp dir (`RAY_TMPDIR`) of the test's own, short (unix socket paths are limited to ~107 bytes), for
+    the Ray a driver process the test runs starts; the Ray processes it left running under it are stopped after."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    directory = Path(tempfile.mkdtemp(prefix="ampflow-rt-", dir="/tmp"))
+    (directory / "ray").mkdir()
+    yield directory
+    left = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if str(directory) in " ".join(process.info["cmdline"] or []):
+                left.append(process)
+        except psutil.Error:
+            pass
+    for process in left:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=10)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def own_ray_env(ray_tmpdir: Path, **extra: str) -> dict:
+    """The environment of a driver process starting a Ray of its own in `ray_tmpdir`: no RAY_* of ours."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return {**env, "RAY_TMPDIR": str(ray_tmpdir), "PYTHONPATH": str(REPO), **extra}
+
+
+def ray_sessions(ray_tmpdir: Path) -> list[str]:
+    """The Ray sessions started in `ray_tmpdir` (one directory each)."""
+    return sorted(p.name for p in (ray_tmpdir / "ray").glob("session_2*"))
+
+
+@pytest.fixture
 def write_job(tmp_path):
     """Write a job mapping as YAML in tmp_path and return its path."""
 

@@ -5,7 +5,10 @@ this module like any user code (it is shipped with the job). Steps are global op
 
 - `Overflow`: after backward, an inf in one layer's gradient (on every rank, or on `rank` only): what an fp16
   overflow looks like to the GradScaler.
-- `NanLoss`: the loss of a step is NaN on every rank (a forward pass that is not finite).
+- `NanLoss`: the loss of a step (or of every step from one on) is NaN on every rank (a forward pass that is
+  not finite).
+- `NanWeight`: after a step, a NaN in one parameter (on every rank, or on `rank` only): weights gone bad
+  between checkpoints.
 - `KillRank`: a rank's process dies with `os._exit` at the start of a step, as a preempted node or an OOM
   kill would: no exception, no cleanup. With a `marker` file, only once (a restarted worker group lives).
 - `DiskFull`: the copy of a checkpoint to storage fails part-way with ENOSPC on every rank, as a disk
@@ -45,12 +48,22 @@ class Overflow:
 
 
 class NanLoss:
-    def __init__(self, at_step: int):
-        self.at_step = at_step
+    def __init__(self, at_step: Optional[int] = None, from_step: Optional[int] = None):
+        self.at_step, self.from_step = at_step, from_step
 
     def after_backward(self, loop, step) -> None:
-        if step.number == self.at_step:
+        if step.number == self.at_step or (self.from_step is not None and step.number >= self.from_step):
             step.loss = step.loss * float("nan")
+
+
+class NanWeight:
+    def __init__(self, at_step: int, rank: Optional[int] = None):
+        self.at_step, self.rank = at_step, rank
+
+    @torch.no_grad()
+    def after_step(self, loop, step) -> None:
+        if step.number == self.at_step and self.rank in (None, loop.rank):
+            next(loop.training.prepared.raw.parameters()).view(-1)[0] = float("nan")
 
 
 class KillRank:

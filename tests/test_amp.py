@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from orchestrator.config.schema import PrecisionSection, ScalerGuardSection
-from orchestrator.precision import AmpSettings, GuardedScaler, NonFiniteLoss, autocast_context
+from orchestrator.precision import AmpSettings, GuardedScaler, NonFiniteGradients, NonFiniteLoss, autocast_context
 from orchestrator.precision.scaling import first_nonfinite
 
 CPU = torch.device("cpu")
@@ -112,14 +112,54 @@ def test_nan_loss_skip_works_without_a_scaler_too():
     assert outcome.nan_loss and torch.equal(param.detach(), before)
 
 
-def test_without_a_scaler_a_nan_loss_is_caught_when_the_window_is_read():
-    guard = guarded(settings("bfloat16", "none"))  # on_nan_loss: abort, nothing agreed per step
+def test_without_a_scaler_a_nan_loss_aborts_at_its_own_step_before_the_weights_change():
+    guard = guarded(settings("bfloat16", "none"))  # on_nan_loss: abort, no GradScaler
     param, optimizer = _param_and_optimizer()
-    outcome, _ = _step(guard, optimizer, param, 1.0, loss_value=float("nan"))
-    assert outcome.stepped  # no per-step sync: the step went through
-    guard.check_loss_window(1.5, step=10)
-    with pytest.raises(NonFiniteLoss, match="up to 10"):
-        guard.check_loss_window(float("nan"), step=10)
+    before = param.detach().clone()
+    with pytest.raises(NonFiniteLoss, match="at step 7 on rank"):
+        _step(guard, optimizer, param, 1.0, loss_value=float("nan"), number=7)
+    assert torch.equal(param.detach(), before)
+
+
+@pytest.mark.parametrize("amp", [settings("float32", "none"), settings("bfloat16", "dynamic")], ids=["fp32", "bf16"])
+def test_without_a_scaler_nonfinite_gradients_are_skipped_by_default_counted_and_attributed(amp):
+    guard = GuardedScaler(amp, ScalerGuardSection(), CPU)
+    assert not guard.scaler.is_enabled() and guard.on_nonfinite_grads == "skip"
+    param, optimizer = _param_and_optimizer()
+    outcome, before = _step(guard, optimizer, param, float("nan"), number=4)  # a finite loss, a NaN gradient
+    assert not outcome.stepped and outcome.nonfinite_grads and not outcome.overflow
+    assert torch.equal(param.detach(), before)
+    metrics = guard.metrics()
+    assert metrics["amp/nonfinite_grad_steps"] == 1.0 and metrics["amp/skipped_steps"] == 1.0
+    (record,) = guard.drain_overflow_log()
+    assert (record["step"], record["event"], record["param"], record["kind"]) == (4, "nonfinite_grads", "layer.weight",
+                                                                                  "nan")
+    outcome, before = _step(guard, optimizer, param, 1.0, number=5)
+    assert outcome.stepped and not torch.equal(param.detach(), before)
+
+
+def test_nonfinite_gradients_without_a_scaler_fail_or_warn_as_configured():
+    param, optimizer = _param_and_optimizer()
+    failing = GuardedScaler(settings("float32", "none"), ScalerGuardSection(), CPU, on_nonfinite_grads="fail")
+    with pytest.raises(NonFiniteGradients, match=r"step 3 on rank\(s\) \[0\] \(first: layer.weight, inf\)"):
+        _step(failing, optimizer, param, float("inf"), number=3)
+
+    warning = GuardedScaler(settings("float32", "none"), ScalerGuardSection(), CPU, on_nonfinite_grads="warn")
+    outcome, _ = _step(warning, optimizer, param, float("inf"), number=3)
+    assert outcome.stepped and outcome.nonfinite_grads  # stepped anyway: the weights are inf now
+    assert not torch.isfinite(param).all()
+    assert warning.metrics()["amp/nonfinite_grad_steps"] == 1.0 and warning.metrics()["amp/skipped_steps"] == 0.0
+    (message,) = warning.drain_warnings()
+    assert "steps 3" in message and "on_nonfinite_grads: warn" in message
+    assert warning.drain_warnings() == []
+
+
+def test_skipped_nan_losses_count_toward_max_consecutive_skips():
+    guard = guarded(settings("float32", "none"), on_nan_loss="skip", max_consecutive_skips=2)
+    param, optimizer = _param_and_optimizer()
+    reasons = [_step(guard, optimizer, param, 1.0, loss_value=float("nan"))[0].collapse for _ in range(3)]
+    assert reasons[:2] == [None, None]
+    assert reasons[2] == "3 consecutive skipped steps, the last with the loss not finite (max_consecutive_skips=2)"
 
 
 def test_collapse_after_too_many_consecutive_skips_and_below_min_scale():

@@ -58,7 +58,8 @@ def test_fast_paths_harness(tmp_path):
 
 def test_telemetry_harness_with_mlflow(tmp_path):
     done, record = run_harness("telemetry", tmp_path)
-    check_record(done, record, "telemetry", {"telemetry_step_time"})
+    check_record(done, record, "telemetry", {"telemetry_step_time", "grad_check_step_time"})
+    assert math.isfinite(record["figures"]["grad_check_alone_ms"])
     assert math.isfinite(record["figures"]["mlflow_ms_per_report"])
 
 
@@ -78,11 +79,12 @@ def test_gpu_amp_skips_cleanly_without_cuda(tmp_path):
     assert json.loads(out.read_text())["skipped"] == "no CUDA device"
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_amp_harness(tmp_path):
     done, record = run_harness("gpu_amp", tmp_path)
     check_record(done, record, "gpu_amp", {f"{d}_{kind}_{layout}" for d in ("fp16", "bf16")
-                                           for kind in ("speedup", "peak_memory")
+                                           for kind in ("speedup", "peak_memory", "speedup_vs_tf32")
                                            for layout in ("nchw", "channels_last")})
 
 

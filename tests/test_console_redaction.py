@@ -82,3 +82,47 @@ def test_export_never_prints_the_tracking_uri_s_password(server, tmp_path):
     assert out.returncode == 2, console
     assert "not found at http://ampflow:***@127.0.0.1" in out.stderr, console
     assert "s3cret" not in console
+
+
+def test_credentials_not_named_like_tokens_never_reach_the_runs_params_tags_config_or_the_console(
+        write_job, tmp_path, monkeypatch, capsys, mlflow_uri):
+    """A URL's bare token, a connection string's AccountKey / SharedAccessSignature / Password, and variables named
+    `*_KEY`, `*_DSN`, `*_CONNECTION_STRING`, `*_CREDENTIALS`: `***` in the MLflow run the driver creates and in
+    `--dry-run`."""
+    from mlflow import MlflowClient
+
+    from orchestrator.cli.submit import main
+    from orchestrator.config import load_job
+    from orchestrator.runner.driver import _start_run
+
+    secrets = {"url_token": "ghp_0123456789abcdef", "account_key": "QWNjb3VudEtleQ+/==", "sas_sig": "c2lnbmF0dXJl",
+               "sql_password": "hunter2-sql", "STORAGE_KEY": "env-key-value", "SENTRY_DSN": "env-dsn-value",
+               "AZURE_STORAGE_CONNECTION_STRING": "env-conn-value", "GCP_CREDENTIALS": "env-cred-value"}
+    for name in ("STORAGE_KEY", "SENTRY_DSN", "AZURE_STORAGE_CONNECTION_STRING", "GCP_CREDENTIALS"):
+        monkeypatch.setenv(name, secrets[name])
+    monkeypatch.chdir(tmp_path)
+    kwargs = {
+        "source": f"https://{secrets['url_token']}@data.example.com/digits.tar",
+        "blob": f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={secrets['account_key']};"
+                "EndpointSuffix=core.windows.net",
+        "sas": f"BlobEndpoint=https://acct.blob.core.windows.net/;SharedAccessSignature=sv=2022&sig={secrets['sas_sig']}",
+        "sql": f"Server=tcp:db;User ID=ml;Password={secrets['sql_password']};Encrypt=yes",
+        "env": "${oc.env:STORAGE_KEY}/${oc.env:SENTRY_DSN}/${oc.env:AZURE_STORAGE_CONNECTION_STRING}"
+               "/${oc.env:GCP_CREDENTIALS}",
+    }
+    job = write_job(small_job(data={"kwargs": kwargs}))
+
+    assert main([str(job), "--dry-run"]) == 0
+    console = capsys.readouterr().out
+    assert "https://***@data.example.com" in console and "AccountKey=***" in console and "***/***/***/***" in console
+
+    tracker = _start_run(load_job(job, []), job, mlflow_uri, "redacted")
+    tracker.finish("FINISHED")
+    run = MlflowClient(tracking_uri=mlflow_uri).get_run(tracker.run_id)
+    config = tracker.load_text("config/job.yaml")
+    assert run.data.params["data.kwargs.source"] == "https://***@data.example.com/digits.tar"
+    assert "AccountKey=***;" in run.data.params["data.kwargs.blob"] and "AccountKey=***;" in config
+    logged = repr([run.data.params, run.data.tags]) + config
+    for name, value in secrets.items():
+        assert value not in logged, f"{name} reached the run"
+        assert value not in console, f"{name} reached the console"

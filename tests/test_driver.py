@@ -14,6 +14,7 @@ from orchestrator.errors import BadInput, Interrupted
 from orchestrator.runner import driver, ray_start, records
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import load_job
+from orchestrator.train.report import Report
 
 from conftest import small_job
 
@@ -87,7 +88,8 @@ def fake_ray(write_job, tmp_path, monkeypatch):
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (False, None))
-    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value)}))
+    monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value),
+                                                           "is_initialized": staticmethod(lambda: True)}))
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
 
     def use_trainer(trainer) -> None:
@@ -201,7 +203,7 @@ def test_the_console_s_final_line_is_the_last_step_even_when_it_reached_the_rela
 
     class ReportsAtTheEnd(_FakeTrainer):
         def fit(self):
-            queue.append(({"step": 4, "epoch": 1, "epochs": 1, "total_steps": 4, "train/loss": 0.5, "seq": 1}, []))
+            queue.append(Report(seq=1, step=4, epoch=1, epochs=1, total_steps=4, metrics={"train/loss": 0.5}))
             return _FakeResult()
 
     monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(QueueRelay))
@@ -217,7 +219,7 @@ def test_an_interrupt_during_training_closes_the_run_killed_and_says_how_to_resu
 
     class Stopped(_FakeTrainer):
         def fit(self):
-            raise SystemExit(0)  # what Ray Train's SIGINT handler raises inside fit()
+            raise SystemExit(0)  # a handler's sys.exit() inside fit(): an interrupt too
 
     planned.use_trainer(Stopped(False))
     with pytest.raises(Interrupted) as caught:
@@ -255,7 +257,7 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
     real_start_run = driver._start_run
 
     def start_run(*args, **kwargs):
-        seen["ray_was_starting"] = ray_starting.wait(10)
+        seen["ray_was_starting"] = ray_starting.wait(60)  # bounds on a busy machine; each returns once set
         tracker = real_start_run(*args, **kwargs)
         run_created.set()
         return tracker
@@ -263,7 +265,7 @@ def test_the_mlflow_run_is_created_while_ray_starts(fake_ray, monkeypatch):
     def init_ray(address, module_sources):
         seen["on_the_main_thread"] = threading.current_thread() is threading.main_thread()
         ray_starting.set()
-        seen["run_created_meanwhile"] = run_created.wait(10)
+        seen["run_created_meanwhile"] = run_created.wait(60)
         return False, None
 
     monkeypatch.setattr(driver, "_start_run", start_run)

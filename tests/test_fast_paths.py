@@ -12,6 +12,7 @@ from torch import nn
 from orchestrator.config import load_job
 from orchestrator.train.ddp import ddp_kwargs, register_comm_hook
 from orchestrator.train.local import LocalSession
+from orchestrator.train.batch import Batch
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.step import Step
 from orchestrator.train.training import build_training
@@ -45,7 +46,8 @@ def test_channels_last_stores_conv_weights_nhwc_and_trains_the_same():
     result, training = losses(job("perf.channels_last=true"))
     conv = training.prepared.raw.features[0]
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
-    assert training.prepared.inputs(torch.zeros(2, 3, 32, 32), CPU).is_contiguous(memory_format=torch.channels_last)
+    placed = training.prepared.place(Batch.pair(torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long)), CPU)
+    assert placed.args[0].is_contiguous(memory_format=torch.channels_last)
     assert result == pytest.approx(reference, rel=1e-5)
 
 

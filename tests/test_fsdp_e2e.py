@@ -57,8 +57,8 @@ def test_quickstart_on_two_fsdp_workers_survives_a_killed_worker_and_logs_the_fu
     assert each_step_once(client, run.info.run_id, "amp/loss_scale") == [4, 5, 6, 8, 10, 12]
     assert each_step_once(client, run.info.run_id, "eval/accuracy") == [6, 12]
     metrics = run.data.metrics
-    assert metrics["memory/params/float32"] == SIMPLE_CNN_PARAMS * 2  # each worker holds half (O1: fp32 shards)
-    assert metrics["memory/state_bytes/rank0"] == metrics["memory/state_bytes/rank1"] > 0
+    assert metrics["memory/params_float32_bytes"] == SIMPLE_CNN_PARAMS * 2  # each worker holds half (O1: fp32 shards)
+    assert metrics["memory/rank0_state_bytes"] == metrics["memory/rank1_state_bytes"] > 0
 
     checkpoints = sorted(p for p in (tmp_path / "runs" / "fsdp").glob("checkpoint_*") if p.is_dir())
     final = checkpoints[-1]
@@ -124,8 +124,8 @@ def test_an_o2_fsdp_run_whose_worker_died_continues_with_resume_and_logs_the_ful
     # Memory per rank: each holds half of every parameter, gradient and momentum buffer (fp32 shards: O2's masters).
     metrics = run.data.metrics
     for category in ("params", "grads", "optimizer"):
-        assert metrics[f"memory/{category}/float32"] == SIMPLE_CNN_PARAMS * 2, category
-    assert metrics["memory/state_bytes/rank0"] == metrics["memory/state_bytes/rank1"] == 3 * SIMPLE_CNN_PARAMS * 2
+        assert metrics[f"memory/{category}_float32_bytes"] == SIMPLE_CNN_PARAMS * 2, category
+    assert metrics["memory/rank0_state_bytes"] == metrics["memory/rank1_state_bytes"] == 3 * SIMPLE_CNN_PARAMS * 2
     assert metrics["memory/params_bytes"] == SIMPLE_CNN_PARAMS * 2
     assert metrics["memory/activations/float16"] > 0  # the units compute in fp16
     # The audit: the rule's layer a unit of its own computing in fp32 (handing on fp16, the dtype around it), the

@@ -159,11 +159,11 @@ def test_the_same_fp32_job_ends_at_the_same_weights_under_ddp_and_fsdp_with_half
     predicted = predict_rank_bytes(model, plan_units(model, policy, plan(model, policy), FsdpSettings()), 2,
                                    optimizer_states=1)
     for category in ("params", "grads", "optimizer"):
-        assert ddp_end[f"memory/{category}/float32"] == SIMPLE_CNN_PARAMS * 4, category
-        assert fsdp_end[f"memory/{category}/float32"] == predicted[category]["float32"] == SIMPLE_CNN_PARAMS * 2
+        assert ddp_end[f"memory/{category}_float32_bytes"] == SIMPLE_CNN_PARAMS * 4, category
+        assert fsdp_end[f"memory/{category}_float32_bytes"] == predicted[category]["float32"] == SIMPLE_CNN_PARAMS * 2
     assert fsdp_end["memory/params_bytes"] == SIMPLE_CNN_PARAMS * 2
-    assert fsdp_end["memory/state_bytes/rank0"] == fsdp_end["memory/state_bytes/rank1"] == 3 * SIMPLE_CNN_PARAMS * 2
-    assert ddp_end["memory/state_bytes/rank1"] == 3 * SIMPLE_CNN_PARAMS * 4
+    assert fsdp_end["memory/rank0_state_bytes"] == fsdp_end["memory/rank1_state_bytes"] == 3 * SIMPLE_CNN_PARAMS * 2
+    assert ddp_end["memory/rank1_state_bytes"] == 3 * SIMPLE_CNN_PARAMS * 4
     assert fsdp_end["memory/activations/float32"] == ddp_end["memory/activations/float32"]  # a batch each, alike
 
     audit = {entry["name"]: entry for entry in fsdp["reports"][0].tables["precision/audit"]}
@@ -241,7 +241,7 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical_to_an_u
 
     # The final model, read whole from the shards in this process (as the driver logs it): the trained weights.
     model = build_model(killed.model)
-    assert load_trained_weights(LocalCheckpoint(final_b), model) == [3, 32, 32]
+    assert load_trained_weights(LocalCheckpoint(final_b), model).sample_shape == [3, 32, 32]
     for name, value in model.state_dict().items():
         assert torch.equal(value, straight["weights"][name]), name
 

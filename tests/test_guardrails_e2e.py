@@ -60,13 +60,13 @@ def test_injected_overflow_is_skipped_logged_and_plotted_with_memory_by_dtype(
                                                                             (3, 1, "features.3", "inf")]
     assert log[0]["loss_scale"] == 1024.0 and log[0]["max_abs_grad"] > 0
 
-    assert metrics["memory/params/float32"] == SIMPLE_CNN_PARAMS * 4
-    assert metrics["memory/grads/float32"] == SIMPLE_CNN_PARAMS * 4
-    assert metrics["memory/optimizer/float32"] == SIMPLE_CNN_PARAMS * 4  # SGD momentum
-    assert metrics["memory/activations/float16"] > 0  # fp16 autocast
-    assert metrics["memory/weight_casts/float16"] > 0
-    assert metrics["memory/peak_bytes/rank0"] > 0 and metrics["memory/peak_bytes/rank1"] > 0
-    assert metrics["memory/peak_bytes"] == max(metrics["memory/peak_bytes/rank0"], metrics["memory/peak_bytes/rank1"])
+    assert metrics["memory/params_float32_bytes"] == SIMPLE_CNN_PARAMS * 4
+    assert metrics["memory/grads_float32_bytes"] == SIMPLE_CNN_PARAMS * 4
+    assert metrics["memory/optimizer_float32_bytes"] == SIMPLE_CNN_PARAMS * 4  # SGD momentum
+    assert metrics["memory/activations_float16_bytes"] > 0  # fp16 autocast
+    assert metrics["memory/weight_casts_float16_bytes"] > 0
+    assert metrics["memory/rank0_peak_bytes"] > 0 and metrics["memory/rank1_peak_bytes"] > 0
+    assert metrics["memory/peak_bytes"] == max(metrics["memory/rank0_peak_bytes"], metrics["memory/rank1_peak_bytes"])
     table = artifact_json(client, run_id, "memory/breakdown.json")
     assert {"category": "params", "dtype": "float32", "bytes": SIMPLE_CNN_PARAMS * 4,
             "MiB": round(SIMPLE_CNN_PARAMS * 4 / 2**20, 3)} in table
@@ -108,7 +108,7 @@ def test_collapse_promote_moves_the_layer_to_fp32_and_training_finishes(ray_sess
     log = artifact_json(client, run.info.run_id, "amp/overflow_log.json")
     assert log[-1] == {"step": 4, "event": "collapse", "action": "promote", "layers": ["classifier.3"],
                        "reason": "3 consecutive skipped steps (max_consecutive_skips=2)"}
-    assert run.data.metrics["memory/params/float32"] == (128 * 10 + 10) * 4  # the promoted layer, measured again
+    assert run.data.metrics["memory/params_float32_bytes"] == (128 * 10 + 10) * 4  # the promoted layer, measured again
     state = checkpoint_states(tmp_path)[-1]
     assert state["promoted"] == ["classifier.3"]
     assert {v.dtype for v in state["model"].values() if v.is_floating_point()} == {torch.float32}
@@ -142,8 +142,8 @@ def test_nan_loss_skip_leaves_the_scale_and_abort_fails(ray_session, tmp_path, m
     assert run.data.metrics["amp/nan_loss_steps"] == 1.0 and run.data.metrics["amp/skipped_steps"] == 1.0
     assert dict(history(client, run.info.run_id, "amp/loss_scale"))[2] == 1024.0  # no backoff for a bad loss
 
-    # bf16: no scaler, nothing agreed per step; the loss window catches it, on every rank alike.
+    # bf16: no scaler, but every step's flags are agreed all the same: the run fails at the step itself.
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-abort", precision={"preset": "bf16-mixed"},
                 callbacks=[drill("NanLoss", at_step=2)])
     assert rc == 1
-    assert "raised NonFiniteLoss: the loss was not finite in the steps up to 2" in capsys.readouterr().err
+    assert "raised NonFiniteLoss: the loss was not finite at step 2 on rank(s) [0, 1]" in capsys.readouterr().err

@@ -3,10 +3,13 @@ each hook method runs at its point, what a callback adds to a report is in the r
 checkpoints, and a callback that raises fails the run naming it and the line. Bad callbacks are refused when
 the job is loaded."""
 
+import shutil
+import traceback
+
 import pytest
 import torch
 
-from conftest import small_job
+from conftest import REPO, small_job
 from orchestrator.config import load_job
 from orchestrator.errors import BadInput
 from orchestrator.train.callbacks import CallbackFailed
@@ -70,9 +73,15 @@ class NothingLogged(LocalSession):
 
 
 class Raises:
+    torn_down = False
+
     def after_step(self, loop, step):
         if step.number == 2:
             raise ZeroDivisionError("the callback's own bug")
+
+    def teardown(self, loop):
+        Raises.torn_down = True
+        raise RuntimeError("a teardown that assumed training ended well")
 
 
 def job(write_job, **sections):
@@ -120,6 +129,76 @@ def test_a_callback_that_raises_fails_the_run_naming_it_its_method_and_line(writ
     assert message.startswith("callback callbacks[0] test_hooks:Raises raised in after_step: ZeroDivisionError: "
                               "the callback's own bug (at ")
     assert f"{__file__}:" in message
+    # Its teardown ran, and raised too: the error the run reports is still the one that ended training, and the
+    # traceback's last frame (what Ray Train's error shows) is the callback's own line.
+    assert Raises.torn_down
+    last = traceback.extract_tb(failed.value.__traceback__)[-1]
+    assert (last.filename, last.name) == (__file__, "after_step") and message.endswith(f":{last.lineno})")
+
+
+class Adds:
+    def __init__(self, metrics=None, tags=None, tables=None, tensor_table=None):
+        """`tensor_table`: the name of a table holding a tensor of 3 elements."""
+        tables = {**(tables or {}), **({tensor_table: [torch.zeros(3)]} if tensor_table else {})}
+        self.additions = {"metrics": metrics or {}, "tags": tags or {}, "tables": tables}
+
+    def collect(self, loop, report):
+        for kind, added in self.additions.items():
+            getattr(report, kind).update(added)
+
+
+@pytest.mark.parametrize("additions, message", [
+    ({"metrics": {"mine/ratio": "high"}}, "report.metrics['mine/ratio'] = 'high' (str): a metric is a number"),
+    ({"metrics": {"mine/norm (fc)": 1.0}}, "report.metrics['mine/norm (fc)']: MLflow takes names of"),
+    ({"tables": {"../outside": [1]}}, "report.tables['../outside']: MLflow takes names of"),
+    ({"tensor_table": "mine/weights"}, "report.tables['mine/weights']: not JSON"),
+])
+def test_what_a_callback_adds_that_mlflow_would_not_take_fails_the_run_naming_it_and_the_key(
+        write_job, tmp_path, additions, message):
+    """Found on the rank, naming the callback; reaching the driver it would stall the MLflow writer."""
+    cfg = job(write_job, run={"max_steps_per_epoch": 2},
+              callbacks=[{"name": "test_hooks:Adds", "kwargs": {"metrics": {"mine/ok": 1}, **additions}}])
+    with pytest.raises(CallbackFailed) as failed:
+        TrainingLoop(cfg, LocalSession(0, 1, CPU, tmp_path / "checkpoints")).run()
+    assert str(failed.value).startswith("callback callbacks[0] test_hooks:Adds added to the report in collect what "
+                                        "MLflow would not take: ")
+    assert message in str(failed.value)
+
+
+class FailsToBuild:
+    def __init__(self, threshold):
+        self.threshold = 1 / threshold
+
+    def after_step(self, loop, step): ...
+
+
+def test_a_callback_that_raises_when_built_fails_the_run_naming_it(write_job, tmp_path):
+    cfg = job(write_job, callbacks=[{"name": "test_hooks:FailsToBuild", "kwargs": {"threshold": 0}}])
+    with pytest.raises(CallbackFailed, match=r"callback callbacks\[0\] test_hooks:FailsToBuild raised when built: "
+                                              r"ZeroDivisionError: division by zero \(at .*test_hooks.py:\d+\)"):
+        TrainingLoop(cfg, LocalSession(0, 1, CPU, tmp_path / "checkpoints"))
+
+
+def test_the_weight_average_example_evaluates_beside_the_model_and_resumes_exactly(write_job, tmp_path, monkeypatch):
+    """examples/callbacks (its job and ema.py): `ema/eval/*` beside `eval/*` at each epoch's end, the average in
+    every checkpoint; a run resumed from the first epoch's checkpoint ends with the same average as one that never
+    stopped."""
+    monkeypatch.syspath_prepend(str(REPO / "examples" / "callbacks"))
+    cfg = load_job(REPO / "examples" / "callbacks" / "job.yaml",  # the example's own job, on one rank
+                   ["scaling.num_workers=1", "run.epochs=2", "run.max_steps_per_epoch=3"])
+    straight = LocalSession(0, 1, CPU, tmp_path / "straight")
+    TrainingLoop(cfg, straight).run()
+    ends = [r for r in straight.reports if "eval/loss" in r.metrics]
+    assert [r.step for r in ends] == [3, 6]
+    assert {"ema/eval/loss", "ema/eval/accuracy"} <= set(ends[-1].metrics)
+    assert ends[-1].metrics["ema/eval/loss"] != ends[-1].metrics["eval/loss"]  # another model was scored
+
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(max((tmp_path / "resumed").glob("checkpoint_*")))  # back to the end of epoch 1
+    resumed = LocalSession(0, 1, CPU, tmp_path / "resumed")
+    TrainingLoop(cfg, resumed).run()
+    assert resumed.reports[-1].step == 6
+    assert resumed.reports[-1].metrics["ema/eval/loss"] == ends[-1].metrics["ema/eval/loss"]
 
 
 def test_a_rank_zero_only_hook_is_left_out_on_other_ranks():

@@ -76,3 +76,42 @@ def test_malformed_paths_say_the_form(tmp_path):
     for text in ("nomodule:", ":Name", "pkg:Outer.Inner", "pkg:Name:more"):
         with pytest.raises(BadInput, match="package.module:Name"):
             resolve_import_path(text, where="data.name", kind="dataset")
+
+
+@pytest.mark.parametrize("path", [
+    "numpy:load", "numpy.lib.npyio:load", "numpy.lib.format:read_array", "torch:load", "torch.serialization:load",
+    "torch.jit:load", "torch.export:load", "torch.hub:load", "torch.hub:load_state_dict_from_url", "joblib:load",
+    "pandas:read_pickle", "cloudpickle:loads", "dill:loads", "jsonpickle:decode", "yaml:unsafe_load", "pickle:loads",
+    "marshal:loads", "shelve:open", "mlflow.pytorch:load_model",
+])
+def test_known_deserialisers_of_installed_packages_are_refused(path):
+    with pytest.raises(BadInput) as info:
+        resolve_import_path(path, where="model.name", kind="model")
+    message = str(info.value)
+    assert message.startswith(f"model.name: '{path}' is refused") and "deserialiser" in message
+    assert "weights_only=True" in message  # what to do instead
+
+
+def test_deserialisers_re_exported_by_user_code_are_refused(tmp_path, monkeypatch):
+    (tmp_path / "loaders.py").write_text("from numpy import load as fetch\nfrom torch import load\n"
+                                         "from joblib import load as restore\n")
+    monkeypatch.chdir(tmp_path)
+    for attr, defined_as in (("fetch", "numpy.load"), ("load", "torch.serialization.load"),
+                             ("restore", "joblib.numpy_pickle.load")):
+        with pytest.raises(BadInput, match=f"'loaders:{attr}' is refused: it is {defined_as}, a deserialiser"):
+            resolve_import_path(f"loaders:{attr}", where="data.name", kind="dataset factory")
+
+
+def test_numpy_load_with_allow_pickle_never_runs_the_pickle(tmp_path, monkeypatch):
+    import numpy as np
+
+    class Payload:
+        def __reduce__(self):
+            return open, (str(tmp_path / "unpickled"), "w")
+
+    np.save(tmp_path / "payload.npy", np.array([Payload()], dtype=object), allow_pickle=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInput, match="model.name: 'numpy:load' is refused"):
+        build_model(ModelSection(name="numpy:load", kwargs={"file": str(tmp_path / "payload.npy"),
+                                                            "allow_pickle": True}))
+    assert not (tmp_path / "unpickled").exists()

@@ -5,6 +5,9 @@
   run closed KILLED. The signals are sent while Ray Train is training.
 - Two submits of one job started at the same moment get two runs: their own name, their own run
   directory and record, one experiment that either of them created.
+
+And a driver on a local Ray of its own (its own Ray temp dir) with a rank stuck in forward: Ctrl-C and SIGTERM
+end it within 30 s, the run KILLED, its Ray's processes gone, no second Ray session started.
 """
 
 import json
@@ -14,11 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import small_job
+from conftest import own_ray_env, ray_sessions, small_job
 from ray_head import RayHead
 from test_submit_e2e import only_run
 
@@ -76,6 +80,24 @@ def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_ru
         assert f"python -m orchestrator.submit {job} --resume" in lines[0]
         _, run = only_run(uri, "signals")
         assert run.info.status == "KILLED"
+    # Their Ray Train controllers and workers on the cluster went with them.
+    deadline = time.monotonic() + 30
+    while train_actors(head):
+        assert time.monotonic() < deadline, f"still on the cluster: {train_actors(head)}"
+        time.sleep(1)
+
+
+def train_actors(head: RayHead) -> list[str]:
+    """The Ray Train controller and worker processes on the test's head."""
+    found = []
+    for process in psutil.Process(head.process.pid).children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if "RayTrainWorker" in title or "TrainController" in title:
+            found.append(title[:80])
+    return found
 
 
 def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(head, tmp_path, write_job, mlflow_uri):
@@ -98,3 +120,166 @@ def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(hea
         assert json.loads((run_dir / "ampflow_run.json").read_text())["run_id"] == run.info.run_id
         attempts = {path.name.rsplit("_", 1)[1] for path in run_dir.glob("checkpoint_0*")}
         assert len(attempts) == 1, sorted(p.name for p in run_dir.glob("checkpoint_0*"))
+
+
+STUCK_NETS = '''
+import os, time
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """Rank 1's forward blocks for good from its 4th training step (rank 0 then waits in the gradients'
+    all-reduce): a stuck rank, as a hung data loader or collective leaves one."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps >= 4 and dist.is_initialized() and dist.get_rank() == 1:
+                open(os.environ["STUCK_MARKER"], "w").close()
+                while True:
+                    time.sleep(1)
+        return self.fc(x)
+'''
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_a_rank_is_stuck_ends_the_driver_within_30_s_with_the_run_killed_and_its_ray_gone(
+        signum, exit_code, ray_tmpdir, tmp_path):
+    """A driver on a local Ray of its own, one of its two ranks stuck in forward: the signal ends it within 30 s
+    with 128 + signum and one `interrupted` line, the run KILLED, every process of its Ray (workers included)
+    gone, and no second Ray session started on the way out."""
+    (tmp_path / "stuck_nets.py").write_text(STUCK_NETS)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(small_job(
+        model={"name": "stuck_nets:Net"}, precision={"preset": "O0"}, run={"epochs": 1, "max_steps_per_epoch": 20},
+        tracking={"uri": uri, "experiment": "stuck", "log_every_n_steps": 1})))
+    marker = tmp_path / "stuck"
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        driver = subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(job)], cwd=tmp_path,
+                                  env=own_ray_env(ray_tmpdir, STUCK_MARKER=str(marker)),
+                                  stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()
+            assert time.monotonic() < deadline, "rank 1 never got stuck"
+            time.sleep(0.5)
+        time.sleep(3)  # rank 0 waits in the all-reduce, the driver in fit()
+        started = psutil.Process(driver.pid).children(recursive=True)
+        assert any("RayTrainWorker" in " ".join(p.cmdline()) or p.name().startswith("ray::") for p in started)
+        driver.send_signal(signum)
+        sent = time.monotonic()
+        returncode = driver.wait(timeout=120)
+        waited = time.monotonic() - sent
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert returncode == exit_code, err
+    assert waited < 30, f"{waited:.0f} s after the signal\n{err}"
+    assert len([line for line in err.splitlines() if line.startswith("interrupted")]) == 1, err
+    assert "Traceback" not in err and "not the main thread" not in err, err
+    _, run = only_run(uri, "stuck")
+    assert run.info.status == "KILLED"
+    assert len(ray_sessions(ray_tmpdir)) == 1, "the dying driver started a second Ray"
+    _, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, f"still running: {[(p.pid, p.name()) for p in alive]}"
+
+
+SLOW_TO_LOG_NETS = '''
+import glob, os, sys, time
+import torch.nn as nn
+
+
+class Net(nn.Sequential):
+    """Built once more by the driver to log the trained model (after training: a checkpoint exists); that build
+    blocks, so the driver is in its final logging when the test signals it."""
+
+    def __init__(self, num_classes=10):
+        super().__init__(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        in_the_driver = sys.argv[0].endswith(os.path.join("orchestrator", "submit.py"))
+        if in_the_driver and glob.glob("ray_results/*/checkpoint_*"):
+            open("logging", "w").close()
+            while True:
+                time.sleep(1)
+'''
+
+
+def start_driver(tmp_path: Path, ray_tmpdir: Path, job: dict, **env: str) -> subprocess.Popen:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.submit", str(tmp_path / "job.yaml")],
+                                cwd=tmp_path, env=own_ray_env(ray_tmpdir, **env), stdout=subprocess.DEVNULL,
+                                stderr=stderr)
+
+
+def signal_when(driver: subprocess.Popen, ready, signum: int, stderr: Path) -> tuple[int, float, list]:
+    """Once `ready()`, send `signum`; (exit code, seconds it took, the driver's descendants when signalled)."""
+    try:
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert driver.poll() is None, stderr.read_text()
+            assert time.monotonic() < deadline, f"never ready\n{stderr.read_text()}"
+            time.sleep(0.1)
+        started = psutil.Process(driver.pid).children(recursive=True)
+        driver.send_signal(signum)
+        sent = time.monotonic()
+        returncode = driver.wait(timeout=120)
+        return returncode, time.monotonic() - sent, started
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_the_final_logging_ends_the_driver_with_the_run_killed(signum, exit_code, ray_tmpdir,
+                                                                              tmp_path):
+    """After fit() returned, while the driver logs the model: the signal still ends it (Ray Train's own SIGINT
+    handler, left installed after fit(), used to swallow Ctrl-C here)."""
+    (tmp_path / "slow_to_log.py").write_text(SLOW_TO_LOG_NETS)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    driver = start_driver(tmp_path, ray_tmpdir, small_job(
+        model={"name": "slow_to_log:Net"}, precision={"preset": "O0"}, scaling={"num_workers": 1},
+        run={"epochs": 1, "max_steps_per_epoch": 2}, tracking={"uri": uri, "experiment": "logging", "log_model": True}))
+    returncode, waited, started = signal_when(driver, (tmp_path / "logging").exists, signum, tmp_path / "stderr.txt")
+    err = (tmp_path / "stderr.txt").read_text()
+    assert returncode == exit_code, err
+    assert waited < 30, f"{waited:.0f} s after the signal\n{err}"
+    assert only_run(uri, "logging")[1].info.status == "KILLED"
+    assert len(ray_sessions(ray_tmpdir)) == 1
+    _, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, f"still running: {[(p.pid, p.name()) for p in alive]}"
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_ray_starts_ends_the_driver_and_leaves_nothing_running(signum, exit_code, ray_tmpdir,
+                                                                             tmp_path):
+    """As the local Ray's session appears: the driver ends within 30 s, its run (created meanwhile) KILLED, no Ray
+    process of its left behind, no second session."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).create_experiment("starting")  # the store exists: creating the run is quick
+    driver = start_driver(tmp_path, ray_tmpdir, small_job(
+        precision={"preset": "O0"}, scaling={"num_workers": 1}, tracking={"uri": uri, "experiment": "starting"}))
+    returncode, waited, _ = signal_when(driver, lambda: bool(ray_sessions(ray_tmpdir)), signum,
+                                        tmp_path / "stderr.txt")
+    err = (tmp_path / "stderr.txt").read_text()
+    assert returncode == exit_code, err
+    assert waited < 30, f"{waited:.0f} s after the signal\n{err}"
+    assert "Traceback" not in err, err
+    assert {run.info.status for run in runs(uri)} <= {"KILLED"}, "a run created is closed KILLED"
+    assert len(ray_sessions(ray_tmpdir)) == 1
+    time.sleep(5)
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(ray_tmpdir) in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"still running: {[(p.pid, p.name()) for p in left]}"
+
+
+def runs(uri: str) -> list:
+    client = MlflowClient(tracking_uri=uri)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -11,6 +11,7 @@ from mlflow import MlflowClient
 
 from conftest import small_job
 from orchestrator.config import load_job
+from orchestrator.tracking.logged_model import ModelInputs
 from orchestrator.tracking.tracker import RunTracker, register_model, standard_tags
 
 
@@ -54,7 +55,7 @@ def test_outside_a_checkout_there_is_no_git_tag(tmp_path):
 def _run_with_a_logged_model(uri: str, write_job, name: str) -> tuple[RunTracker, str]:
     cfg = load_job(write_job(small_job(tracking={"uri": uri}), f"{name}.yaml"))
     tracker = RunTracker.start(uri, cfg, run_name=name, tags={}, params={}, config_yaml="")
-    tracker.log_model(torch.nn.Linear(4, 2).eval(), torch.zeros(2, 4).numpy())
+    tracker.log_model(torch.nn.Linear(4, 2).eval(), ModelInputs.from_shape([4]))
     return tracker, f"runs:/{tracker.run_id}/model"
 
 

@@ -1,7 +1,9 @@
 """A directory holding someone's own model, data, loss and metrics (examples/regression: not image
-classification) trains with one command and from Python, and its own metrics, the training features and
-a model whose signature has the data's shape reach MLflow."""
+classification; examples/text-classification: token ids batched by a collate function) trains with one command
+and from Python, and its own metrics, the training features and a model whose signature has the data's shapes and
+dtypes reach MLflow."""
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -65,3 +67,53 @@ def test_the_regression_example_trains_from_python_with_a_dict_job(ray_session, 
     model = mlflow.pytorch.load_model(result.model_uri, map_location="cpu")
     assert model(torch.zeros(3, 8)).shape == (3,)
     assert ray_session.is_initialized()
+
+
+def test_the_text_classification_example_trains_through_submit_and_logs_a_model_taking_its_token_ids(
+        ray_session, tmp_path, monkeypatch, capsys):
+    """Variable-length int64 token ids through a collate function, named inputs, bf16-mixed with the embeddings
+    kept fp32 by a rule, a torchmetrics F1 on 2 workers: the logged model takes the batch in its dtypes, through
+    `mlflow.pytorch.load_model` and the pyfunc; the UI's summary pages are there, and a clean run's amp counters
+    are logged once, at its end."""
+    import mlflow
+    import torch
+
+    from orchestrator.cli.submit import main
+
+    example = tmp_path / "text-classification"
+    shutil.copytree(REPO / "examples" / "text-classification", example)
+    monkeypatch.chdir(example)
+    monkeypatch.delitem(sys.modules, "textcls", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["job.yaml", "run.epochs=2", "data.kwargs.train_samples=256", "data.kwargs.eval_samples=64",
+                 f"tracking.uri={uri}", "tracking.system_metrics_interval_s=0"]) == 0
+    client, run = only_run(uri, "text-classification")
+    run_id, metrics = run.info.run_id, run.data.metrics
+    assert f"Model:    runs:/{run_id}/model" in capsys.readouterr().out
+    assert 0 < metrics["eval/f1_macro"] <= 1 and 0 < metrics["eval/accuracy"] <= 1
+    assert metrics["memory/params_float32_bytes"] > 0 and metrics["memory/rank1_peak_bytes"] > 0
+    assert [m.step for m in client.get_metric_history(run_id, "amp/skipped_steps")] == [8]  # once, at the end
+
+    summary = json.loads(open(client.download_artifacts(run_id, "precision/audit_summary.json")).read())
+    assert {"rule": "Embedding", "layers": 2, "types": "Embedding x2"} in summary["by_rule"]
+    assert {row["layer"] for row in summary["fell_back"]} >= {"tokens", "positions"}
+    assert {"precision/audit_summary.html", "memory/breakdown.html"} <= {
+        a.path for folder in ("precision", "memory") for a in client.list_artifacts(run_id, folder)}
+
+    model_uri = f"runs:/{run_id}/model"
+    specs = [(s.name, str(s.type), s.shape) for s in mlflow.models.get_model_info(model_uri).signature.inputs.inputs]
+    assert specs == [("input_ids", "int64", (-1, -1)), ("attention_mask", "bool", (-1, -1))]
+    sys.path.insert(0, str(example))
+    try:
+        import textcls
+    finally:
+        sys.path.remove(str(example))
+    _, evaluation = textcls.make_datasets(16, 6)
+    batch = textcls.pad_collate([evaluation[i] for i in range(6)])
+    loaded = mlflow.pytorch.load_model(model_uri)
+    with torch.no_grad():
+        logits = loaded(batch["input_ids"], batch["attention_mask"])
+    predicted = mlflow.pyfunc.load_model(model_uri).predict(
+        {"input_ids": batch["input_ids"].numpy(), "attention_mask": batch["attention_mask"].numpy()})
+    assert logits.shape == (6, 4) and predicted.shape == (6, 4)
+    torch.testing.assert_close(torch.from_numpy(predicted), logits)

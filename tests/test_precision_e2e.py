@@ -118,7 +118,7 @@ def test_export_on_digits_keeps_accuracy_within_half_a_point(ray_session, tmp_pa
 def test_export_refuses_past_the_allowed_drop_and_logs_no_model(tmp_path, mlflow_uri):
     from orchestrator.config import flatten, load_job, to_yaml
     from orchestrator.train.data import build_datasets
-    from orchestrator.cli.export import ExportRefused, export
+    from orchestrator.runner.export import ExportRefused, export
     from orchestrator.train.models import build_model
     from orchestrator.tracking.tracker import RunTracker
 

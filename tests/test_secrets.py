@@ -58,3 +58,46 @@ def test_switches_are_not_secrets():
     environ = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "NO_PASSWORD": "yes"}
     assert secret_values(environ) == []
     assert redact("log_model: false\nepochs: 1\nresume: yes", environ) == "log_model: false\nepochs: 1\nresume: yes"
+
+
+def test_url_userinfo_without_a_password_is_masked_as_a_token():
+    assert redact("git clone https://ghp_abcdef123456@github.com/org/repo.git", {}) == \
+        f"git clone https://{MASK}@github.com/org/repo.git"
+    assert redact("s3://AKIA123:sEcReT@bucket/data and https://user@host/x", {}) == \
+        f"s3://AKIA123:{MASK}@bucket/data and https://{MASK}@host/x"
+    assert redact("mail a@b.com, file:///tmp/x, http://host:5000/path", {}) == \
+        "mail a@b.com, file:///tmp/x, http://host:5000/path"  # no userinfo: nothing to mask
+
+
+def test_a_connection_strings_secret_fields_are_masked_inside_longer_text():
+    azure = ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Zm9vYmFy+/==;"
+             "EndpointSuffix=core.windows.net")
+    assert redact(f"data.kwargs.conn={azure}", {}) == \
+        f"data.kwargs.conn=DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={MASK};" \
+        "EndpointSuffix=core.windows.net"
+    assert redact("Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey=K3y==", {}) == \
+        f"Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey={MASK}"
+    assert redact("BlobEndpoint=https://a.blob.core.windows.net/;SharedAccessSignature=sv=2022&sig=AbC%2F", {}) == \
+        f"BlobEndpoint=https://a.blob.core.windows.net/;SharedAccessSignature={MASK}&sig={MASK}"
+    assert redact("Server=tcp:db,1433;User ID=ml;Password=hunter2;Encrypt=yes", {}) == \
+        f"Server=tcp:db,1433;User ID=ml;Password={MASK};Encrypt=yes"
+    assert redact("aws AccessKey=AKIAXYZ SecretKey=abc/def", {}) == f"aws AccessKey={MASK} SecretKey={MASK}"
+
+
+def test_variables_named_like_keys_dsns_connection_strings_and_credentials_are_secrets():
+    environ = {"STORAGE_KEY": "key-value-1", "APP_SECRET": "secret-value-2", "SENTRY_DSN": "dsn-value-3",
+               "AZURE_STORAGE_CONNECTION_STRING": "conn-value-4", "GCP_CREDENTIALS": "cred-value-5",
+               "KEYBOARD_LAYOUT": "us-intl-layout", "HOME": "/home/user"}
+    assert set(secret_values(environ)) == {"key-value-1", "secret-value-2", "dsn-value-3", "conn-value-4",
+                                           "cred-value-5"}
+
+
+def test_a_key_that_names_a_secret_has_its_value_masked_in_yaml_and_in_mappings():
+    config = ("data:\n  kwargs:\n    storage_key: abc123\n    password: 'pw'\n    max_tokens: 512\n"
+              "    tokenizer: bert\n    use_token: false\n    credentials:\n      region: eu\n")
+    assert redact(config, {}) == ("data:\n  kwargs:\n    storage_key: ***\n    password: ***\n    max_tokens: 512\n"
+                                  "    tokenizer: bert\n    use_token: false\n    credentials:\n      region: eu\n")
+    params = {"data.kwargs.storage_key": "abc123", "data.kwargs.sentry_dsn": "https://k@o.io/1",
+              "data.kwargs.max_tokens": "512", "run.epochs": "3"}
+    assert redact_all(params, {}) == {"data.kwargs.storage_key": MASK, "data.kwargs.sentry_dsn": MASK,
+                                      "data.kwargs.max_tokens": "512", "run.epochs": "3"}

@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent("""
     def callback(ref):  # the signal arrives while this runs: its exception cannot propagate
         threading.Timer(0.1, os.kill, (os.getpid(), signal.{signal})).start()
         time.sleep(2)
+        print("callback finished", flush=True)  # not reached: the signal ended the callback
 
     resource = Resource()
     ref = weakref.ref(resource, callback)
@@ -50,9 +51,17 @@ def run(signal_name: str, where: str = "") -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("signal_name, raised", [("SIGTERM", "Interrupted 15"), ("SIGINT", "KeyboardInterrupt None")])
 def test_a_signal_swallowed_by_a_weakref_callback_is_delivered_again(signal_name, raised):
     done = run(signal_name)
-    assert "Exception ignored" in done.stderr  # it did land in the callback, and Python dropped it there
+    # It landed in the callback (cut short), where Python dropped it; sent again, it ended the sleep after it.
     assert done.stdout.strip() == f"interrupted by {raised}", done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr, "an interrupt that is sent again is not reported as lost"
     assert done.returncode == 0
+
+
+def test_the_sigterm_exit_of_ray_inits_handler_swallowed_by_a_weakref_callback_is_delivered_again():
+    """While ray.init runs, SIGTERM meets Ray's own handler, `sys.exit(signum)`: dropped in a callback, it is sent
+    again, and the process ends with it instead of training on."""
+    done = run("SIGTERM", where="signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))")
+    assert done.stdout == "" and done.returncode == 15, done.stdout + done.stderr
 
 
 def test_other_unraisable_exceptions_still_reach_the_previous_hook_and_nothing_is_sent():
@@ -77,3 +86,38 @@ def test_other_unraisable_exceptions_still_reach_the_previous_hook_and_nothing_i
     done = run("SIGTERM", where)
     assert done.stdout.splitlines() == ["seen ['ValueError']", "interrupted by Interrupted 15"], \
         done.stdout + done.stderr
+
+
+AT_FORK = textwrap.dedent("""
+    import ctypes, functools, os, signal, sys, threading, time
+    # Registered before logging's own at-fork callbacks, so run first after the fork, and C all through (os.kill
+    # would handle the signal itself): Python handles the signal at its next function call, logging's
+    # _releaseLock, which releases the lock logging took before the fork.
+    os.register_at_fork(after_in_parent=functools.partial(ctypes.CDLL(None).kill, os.getpid(), signal.SIGINT))
+    import logging
+    from orchestrator.errors import interrupt_on_sigint
+
+    interrupt_on_sigint()
+    try:
+        pid = os.fork()  # as ray.init starts its processes
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(5)
+        print("not interrupted", flush=True)
+    except KeyboardInterrupt as exc:
+        print("interrupted by", type(exc).__name__, flush=True)
+    other = threading.Thread(target=logging.getLogger, args=("another.thread",), daemon=True)
+    other.start()
+    other.join(5)
+    print("logging", "stuck" if other.is_alive() else "free", flush=True)
+""")
+
+
+def test_ctrl_c_during_a_fork_interrupts_after_it_and_leaves_loggings_lock_free():
+    """Ctrl-C handled in logging's at-fork callback (ray.init forks its processes as the MLflow run is created on
+    another thread): raised there, it would be dropped and leave logging's lock held, and the other thread's next
+    logging call (MLflow's) would wait forever. It is sent again instead, and ends the command after the fork."""
+    done = subprocess.run([sys.executable, "-c", AT_FORK], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == ["interrupted by Interrupted", "logging free"], done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr

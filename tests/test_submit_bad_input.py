@@ -30,6 +30,7 @@ CASES = {
     "zero_workers": (small_job(scaling={"num_workers": 0}), [], "scaling.num_workers: must be >= 1"),
     "negative_workers": (small_job(), ["scaling.num_workers=-2"], "scaling.num_workers: must be >= 1"),
     "batch_size_zero": (small_job(run={"batch_size": 0}), [], "run.batch_size: must be >= 1"),
+    "eval_every_zero_steps": (small_job(), ["run.eval_every_n_steps=0"], "run.eval_every_n_steps: must be >= 1"),
     "lr_nan": (small_job(), ["optim.lr=nan"], "optim.lr: must be a finite number"),
     "lr_inf": (small_job(), ["optim.lr=inf"], "optim.lr: must be a finite number"),
     "system_metrics_interval_negative": (small_job(), ["tracking.system_metrics_interval_s=-1"],
@@ -43,7 +44,7 @@ CASES = {
     "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), [], "8192 CPU (2 workers x 4096)"),
     "mlflow_unreachable": (small_job(tracking={"uri": "http://127.0.0.1:9"}), [], "cannot be reached"),
     # Your own task: nothing assumes classification where the loss is not one.
-    "accuracy_with_mse": (small_job(task={"loss": "mse"}), [], "task.metrics: 'accuracy' needs class scores"),
+    "accuracy_with_mse": (small_job(task={"loss": "mse"}), [], "task.metrics[0]: 'accuracy' needs class scores"),
     "export_needs_classes": (small_job(task={"loss": "mse", "metrics": []}, export={"dtype": "float16"}), [],
                              "export.dtype: the export is checked by its accuracy drop"),
     "unknown_loss": (small_job(task={"loss": "hinge"}), [], "task.loss: unknown loss 'hinge'"),
@@ -65,6 +66,21 @@ CASES = {
                                 "optim.schedule: 'torch.optim:SGD' is not an LRScheduler"),
     "optimizer_refuses_a_value": (small_job(optim={"name": "adam", "eps": -1.0}), [],
                                   "optim: adam refuses this job's settings (ValueError: Invalid epsilon value: -1.0)"),
+    # Any batch (issue 26): a collate that fails on two samples, a part the batch lacks, a metric that is neither a
+    # function nor a torchmetrics Metric, or one refusing its kwargs; the device loader says what it cannot hold.
+    "collate_fails": (small_job(data={"name": "digits", "collate": "torch.nn.functional:relu"}), [],
+                      "data.collate: data.collate (torch.nn.functional:relu) fails on two samples of the training set"),
+    "inputs_part_missing": (small_job(task={"inputs": ["pixels"], "target": "1"}), [],
+                            "task.inputs: the batch has no part 'pixels'; its parts are 0, 1"),
+    "inputs_without_target": (small_job(task={"inputs": ["pixels"]}), [], "task.target: task.inputs names"),
+    "metric_neither": (small_job(task={"metrics": ["torch.nn:Linear"]}), [],
+                       "task.metrics[0].name: 'torch.nn:Linear' is neither a function"),
+    "torchmetrics_refuses_kwargs": (small_job(task={"metrics": [{
+        "name": "torchmetrics.classification:MulticlassF1Score", "kwargs": {"num_classes": 10, "averages": "macro"}}]}),
+        [], "task.metrics[0].kwargs: torchmetrics.classification:MulticlassF1Score refuses"),
+    "device_loader_with_collate": (small_job(data={"name": "digits", "loader": "device",
+                                                   "collate": "torch.nn.functional:relu"}), [],
+                                   "data.loader: device slices (inputs, targets) tensors"),
     # Storage that cannot be written is found before Ray starts or a run is created.
     "storage_unwritable": (small_job(checkpoint={"storage_path": "/proc/ampflow-x"}), [],
                            "checkpoint.storage_path: cannot write checkpoints to /proc/ampflow-x"),

@@ -24,6 +24,15 @@ CASES = {
     "loss_builtins_exec": (small_job(task={"loss": "builtins:exec"}), [], "task.loss: 'builtins:exec'"),
     "metric_subprocess_run": (small_job(task={"metrics": ["accuracy", "subprocess:run"]}), [],
                               "'subprocess:run'"),
+    # A known deserialiser of an installed package, given a pickle that would create the marker when loaded.
+    "numpy_load_allow_pickle": (small_job(model={"name": "numpy:load",
+                                                 "kwargs": {"file": "jobs/payload.npy", "allow_pickle": True}}), [],
+                                "model.name: 'numpy:load' is refused"),
+    "data_joblib_load": (small_job(data={"name": "joblib:load", "kwargs": {"filename": "jobs/payload.pkl"}}), [],
+                         "data.name: 'joblib:load' is refused"),
+    "loss_torch_load": (small_job(task={"loss": "torch:load"}), [], "task.loss: 'torch:load' is refused"),
+    "metric_pandas_read_pickle": (small_job(task={"metrics": ["pandas:read_pickle"]}), [],
+                                  "task.metrics: 'pandas:read_pickle' is refused"),
     "num_classes_negative": (small_job(), ["model.num_classes=-1"], "model.num_classes: must be >= 1"),
     "run_name_escapes_storage": (small_job(), ["run.name=../../ESCAPED"], "run.name: '../../ESCAPED'"),
     "run_name_hidden": (small_job(), ["run.name=.hidden"], "run.name: '.hidden'"),
@@ -33,13 +42,27 @@ CASES = {
 }
 
 
+class _CreatesTheMarker:
+    def __reduce__(self):  # unpickling calls open(MARKER, "w") in the working directory
+        return open, (MARKER, "w")
+
+
+def _write_pickles(directory):
+    import joblib
+    import numpy as np
+
+    np.save(directory / "payload.npy", np.array([_CreatesTheMarker()], dtype=object), allow_pickle=True)
+    joblib.dump(_CreatesTheMarker(), directory / "payload.pkl")
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("untrusted-input")
+    (workdir / "jobs").mkdir()
+    _write_pickles(workdir / "jobs")
     argvs = {}
     for name, (job, overrides, _) in CASES.items():
         path = workdir / "jobs" / f"{name}.yaml"
-        path.parent.mkdir(exist_ok=True)
         if job == "DIRECTORY":
             path.mkdir()
         else:

@@ -14,7 +14,9 @@ from conftest import small_job
 from drills import Overflow
 from orchestrator.config import load_job
 from orchestrator.train.data import build_rank_loaders
-from orchestrator.train.local import spawn
+from orchestrator.train.local import LocalSession, spawn
+from orchestrator.train.loop import TrainingLoop
+from orchestrator.train.report import UNSCORED
 from orchestrator.train.step import train_step
 from orchestrator.train.stopping import EarlyStopping
 from orchestrator.train.training import build_training
@@ -25,7 +27,8 @@ CPU = torch.device("cpu")
 def first_batch(cfg):
     train_loader, _, position = build_rank_loaders(cfg, 0, 1, CPU)
     position.set_position(0, 0, cfg.run.batch_size)
-    return next(iter(train_loader))
+    batch = next(iter(train_loader))
+    return batch.args[0], batch.targets
 
 
 def built(cfg):
@@ -107,6 +110,26 @@ def test_early_stopping_ends_the_run_at_the_first_evaluation_past_its_patience(w
     assert [r.epoch for r in evaluated] == [1, 2, 3]
     assert evaluated[-1].tags["early_stopped_at_epoch"] == "3"
     assert reports and all(r.metrics["optim/lr"] == 0.0 for r in reports)
+
+
+def test_evaluation_every_n_steps_is_in_that_steps_report_and_scores_the_checkpoint_taken_there(write_job,
+                                                                                                  tmp_path):
+    """`run.eval_every_n_steps` 2 with a checkpoint every step: the evaluations at steps 2 and 4 (mid-epoch) and
+    at 5 (the epoch's end) are in those steps' reports; each checkpoint is scored by its own step's `eval/loss`,
+    and one without an evaluation gets the worst score, so Ray Train drops it first."""
+    cfg = load_job(write_job(small_job(scaling={"num_workers": 1}, run={"max_steps_per_epoch": 5,
+                                                                        "eval_every_n_steps": 2},
+                                       tracking={"log_every_n_steps": 10},
+                                       checkpoint={"every_n_steps": 1, "score_metric": "eval/loss",
+                                                   "score_mode": "min"})))
+    session = LocalSession(0, 1, CPU, tmp_path / "checkpoints")
+    TrainingLoop(cfg, session).run()
+    assert [(r.step, "eval/loss" in r.metrics) for r in session.reports] == [
+        (1, False), (2, True), (3, False), (4, True), (5, True)]
+    assert [r.checkpoint_score for r in session.reports] == [
+        UNSCORED, session.reports[1].metrics["eval/loss"], UNSCORED, session.reports[3].metrics["eval/loss"],
+        session.reports[4].metrics["eval/loss"]]
+    assert "train/loss" not in session.reports[1].metrics  # an evaluation alone reads no loss window
 
 
 def test_early_stopping_counts_evaluations_without_an_improvement_beyond_min_delta():

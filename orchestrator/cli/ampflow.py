@@ -10,6 +10,7 @@ COMMANDS = {
     "jobs": "status, logs or stop of a job submitted to a cluster's job server",
     "summary": "bytes by dtype of a model under a precision policy",
     "export": "export a run's trained model in half precision",
+    "predict": "run a logged model over data in the precision it was trained or exported in",
 }
 
 

@@ -24,7 +24,8 @@ from orchestrator import console
 from orchestrator.config import reference
 from orchestrator.runner import remote
 from orchestrator.config import load_job, to_yaml
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
+from orchestrator.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, Interrupted,
+                                 exit_within, interrupt_on_sigint, interrupt_on_sigterm)
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
@@ -54,7 +55,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
     args = parse_args(argv)
     console.from_args(args)
-    previous_sigterm = interrupt_on_sigterm()  # SIGTERM before training starts ends the command the same way
+    # Ctrl-C and SIGTERM raise Interrupted wherever they land (Ray's start, training, the final logging); the run
+    # is closed KILLED on the way out, and the command ends within INTERRUPT_DEADLINE_S whatever hangs.
+    previous_sigterm, previous_sigint = interrupt_on_sigterm(), interrupt_on_sigint()
+    exit_within(INTERRUPT_DEADLINE_S)
     try:
         return _submit(args)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM; a created run was closed KILLED on the way
@@ -68,8 +72,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "Its MLflow run (if one was created) is marked FAILED.", file=sys.stderr)
         return EXIT_FAILED
     finally:
+        exit_within(None)  # a deadline an interrupt started runs on: the command is ending
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
+        if previous_sigint is not None:
+            signal.signal(signal.SIGINT, previous_sigint)
 
 
 def _submit(args: argparse.Namespace) -> int:

@@ -37,7 +37,8 @@ from orchestrator.runner import remote
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import flatten, load_job
 from orchestrator.config.loader import parse_overrides
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Interrupted, interrupt_on_sigterm
+from orchestrator.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, Interrupted,
+                                 exit_within, interrupt_on_sigint, interrupt_on_sigterm)
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 logger = logging.getLogger("ampflow.sweep")
@@ -230,13 +231,8 @@ def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
 
 
 def _ctrl_c_interrupts() -> None:
-    """Ctrl-C raises KeyboardInterrupt again. Each fit() installs Ray Train's SIGINT handler (abort that
-    run's controller, then sys.exit) and leaves it installed after the run ended."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Ctrl-C raises Interrupted(SIGINT), whatever a child's run left installed."""
+    interrupt_on_sigint()
 
 
 def grid_row(plan: SweepPlan, label: str, tracker, exit_code: int) -> dict[str, Any]:
@@ -284,7 +280,13 @@ def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     try:
         # One Ray for every child: each child's execute() finds it initialised and leaves it running. Started
         # here as execute() would, so an import-path model is shipped as a job-level py_module.
-        started_ray, _ = init_ray(plan.address, models.module_sources(base))
+        try:
+            started_ray, _ = init_ray(plan.address, models.module_sources(base))
+        except Exception as exc:  # e.g. no cluster answers at --address (RayUnreachable): no child was started
+            close_run(parent, "FAILED", 10)
+            print(f"error: Ray could not be started or reached ({type(exc).__name__}: {redact(str(exc))[:500]}). "
+                  "Check --address / RAY_ADDRESS, or leave both out to train on a local Ray.", file=sys.stderr)
+            return EXIT_FAILED
         previous_sigterm = interrupt_on_sigterm()
         results = run_children(plan, parent)
         _ctrl_c_interrupts()
@@ -321,13 +323,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     install_console_redaction()  # before anything can print a secret (MLflow's own lines included)
     args = parse_args(argv)
     console.from_args(args)
+    previous_sigint = interrupt_on_sigint()  # as submit: Ctrl-C ends the sweep within INTERRUPT_DEADLINE_S
+    exit_within(INTERRUPT_DEADLINE_S)
     try:
-        plan = validate(args)
-        parent = start_parent(plan, args.max_accuracy_drop)  # MLflow unreachable: exit 2, nothing started
-    except BadInput as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return run_sweep(plan, parent, args.max_accuracy_drop)
+        try:
+            plan = validate(args)
+            parent = start_parent(plan, args.max_accuracy_drop)  # MLflow unreachable: exit 2, nothing started
+        except BadInput as exc:
+            print(f"error: {redact(str(exc))}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt as exc:  # before any run
+            interrupted = Interrupted.of(exc)
+            print(f"\n{interrupted.describe()}", file=sys.stderr)
+            return interrupted.exit_code
+        return run_sweep(plan, parent, args.max_accuracy_drop)
+    finally:
+        exit_within(None)  # a deadline an interrupt started runs on: the command is ending
+        if previous_sigint is not None:
+            signal.signal(signal.SIGINT, previous_sigint)
 
 
 if __name__ == "__main__":

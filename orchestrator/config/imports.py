@@ -6,7 +6,9 @@ with `model.kwargs: {command: ...}` would otherwise run a shell command during p
 is refused, before anything it names is called, unless it names a class or a Python function
 defined in a file outside the standard library (the user's code or an installed package).
 Standard-library modules are refused by name before they are even imported (importing some of them
-does something: `antigravity` opens a browser).
+does something: `antigravity` opens a browser). Known deserialisers of installed packages are refused
+too (`numpy:load` with `allow_pickle: true`, `torch:load`, `joblib:load`, `pandas:read_pickle`, `dill`,
+`cloudpickle`, ...): called with the job's kwargs, they unpickle whatever file the job names.
 """
 
 import importlib
@@ -22,6 +24,29 @@ from typing import Any, Optional
 from orchestrator.errors import BadInput
 
 FORM = "'package.module:Name'"
+
+DESERIALISER_PACKAGES = frozenset({
+    "pickle", "_pickle", "pickle5", "cPickle", "marshal", "shelve", "copyreg", "dill", "cloudpickle", "jsonpickle",
+})
+"""Packages that exist to turn bytes into objects: nothing in them is a factory."""
+
+DESERIALISER_MODULES = frozenset({
+    "torch.serialization", "torch.package", "torch.hub", "torch.utils.model_zoo", "torch.jit._serialization",
+    "torch.export.pt2_archive", "joblib.numpy_pickle", "pandas.io.pickle", "pandas.compat.pickle_compat",
+    "numpy.lib.format",
+})
+"""Modules of installed packages whose functions load (unpickle) files or download and run code."""
+
+DESERIALISERS = frozenset({
+    "numpy.load", "numpy.lib.npyio.load", "numpy.lib._npyio_impl.load", "numpy.lib.npyio.NpzFile",
+    "numpy.lib._npyio_impl.NpzFile", "numpy.ma.load", "torch.load", "torch.jit.load", "torch.export.load",
+    "joblib.load", "pandas.read_pickle", "pandas.read_hdf", "pandas.io.pytables.read_hdf", "pandas.HDFStore",
+    "yaml.load", "yaml.load_all", "yaml.unsafe_load", "yaml.unsafe_load_all", "yaml.full_load", "yaml.full_load_all",
+    "mlflow.pyfunc.load_model", "mlflow.pytorch.load_model", "mlflow.pytorch.load_state_dict",
+    "mlflow.sklearn.load_model", "keras.models.load_model", "keras.saving.load_model",
+    "tensorflow.keras.models.load_model",
+})
+"""Functions and classes (as written and as defined) that unpickle, or construct arbitrary objects from, a file."""
 
 
 def is_import_path(text: str) -> bool:
@@ -52,6 +77,8 @@ def resolve_import_path(text: str, where: str, kind: str) -> Any:
     if not module_name or not attr.isidentifier() or not all(part.isidentifier() for part in module_name.split(".")):
         raise BadInput(f"{where}: '{text}' is not of the form {FORM} (a module, a colon, one class or function name).")
     refuse = _refusal(text, where, kind)
+    if _is_deserialiser(f"{module_name}.{attr}"):  # by name, before its module is imported
+        raise _deserialiser_refusal(text, where, f"{module_name}.{attr}")
     if _is_stdlib_name(module_name):
         raise refuse(f"module '{module_name}' is part of the Python standard library")
     module = import_module_from_cwd(module_name, where)
@@ -61,6 +88,9 @@ def resolve_import_path(text: str, where: str, kind: str) -> Any:
     if not (inspect.isclass(target) or inspect.isfunction(target)):
         raise refuse(f"it is a {type(target).__name__}, not a class or a function")
     defined_in = getattr(target, "__module__", None) or ""
+    defined_as = f"{defined_in}.{getattr(target, '__qualname__', attr)}"
+    if _is_deserialiser(defined_as):  # also when the user's module re-exports it
+        raise _deserialiser_refusal(text, where, defined_as)
     if _is_stdlib_name(defined_in):
         raise refuse(f"it is defined in '{defined_in}', part of the Python standard library")
     file = _module_file(defined_in)
@@ -79,6 +109,20 @@ def _refusal(text: str, where: str, kind: str):
             f"callable from the standard library or builtins. Job files are code: run only those you trust."
         )
     return refuse
+
+
+def _is_deserialiser(dotted: str) -> bool:
+    module = dotted.rpartition(".")[0]
+    return (dotted in DESERIALISERS or dotted.split(".")[0] in DESERIALISER_PACKAGES
+            or any(module == m or module.startswith(m + ".") for m in DESERIALISER_MODULES))
+
+
+def _deserialiser_refusal(text: str, where: str, dotted: str) -> BadInput:
+    return BadInput(
+        f"{where}: '{text}' is refused: it is {dotted}, a deserialiser; called with the job's kwargs it would "
+        "unpickle (and so run) whatever the file it is given holds. Name your own class or function, and load "
+        "files there without unpickling (torch.load(..., weights_only=True), numpy.load without allow_pickle, "
+        "safetensors). Job files are code: run only those you trust.")
 
 
 def _is_stdlib_name(module_name: str) -> bool:

@@ -97,11 +97,19 @@ def _check_sections(data: dict, source: str) -> None:
             raise BadInput(f"{source}: section '{name}' must be a mapping of keys, got {value!r}.")
 
 
+def _named_as_mappings(entries: Any) -> Any:
+    return [{"name": entry} if isinstance(entry, str) else entry for entry in entries] \
+        if isinstance(entries, list) else entries
+
+
 def _callbacks_as_mappings(data: dict) -> dict:
-    """`callbacks` entries written as a bare import path (`pkg.mod:Class`) as `{name: pkg.mod:Class}`."""
+    """`callbacks` and `task.metrics` entries written as a bare name (`pkg.mod:Class`, `accuracy`) as
+    `{name: ...}`."""
     if isinstance(data.get("callbacks"), list):
-        data = {**data, "callbacks": [{"name": entry} if isinstance(entry, str) else entry
-                                      for entry in data["callbacks"]]}
+        data = {**data, "callbacks": _named_as_mappings(data["callbacks"])}
+    task = data.get("task")
+    if isinstance(task, dict) and isinstance(task.get("metrics"), list):
+        data = {**data, "task": {**task, "metrics": _named_as_mappings(task["metrics"])}}
     return data
 
 

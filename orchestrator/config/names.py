@@ -5,6 +5,9 @@ The registries that build what these names mean (`orchestrator.train.models`, `.
 keyed by these tuples; `tests/test_package.py` checks that they agree.
 """
 
+import inspect
+import re
+
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.errors import BadInput
 
@@ -48,6 +51,15 @@ def check_dataset_name(name: str) -> None:
                        "function returning (train dataset, eval dataset).")
 
 
+def check_collate(name) -> None:
+    """`data.collate`: an import path to the user's collate function (imported, not called)."""
+    if name is not None:
+        if not is_import_path(name):
+            raise BadInput(f"data.collate: '{name}' is not an import path 'mypackage.data:collate' to a function "
+                           "(list of samples) -> batch.")
+        resolve_import_path(name, "data.collate", kind="collate function")
+
+
 def check_loss_name(name: str) -> None:
     if is_import_path(name):
         resolve_import_path(name, "task.loss", kind="loss")
@@ -56,19 +68,72 @@ def check_loss_name(name: str) -> None:
                        "'mypackage.losses:my_loss' to a function (outputs, targets) -> loss.")
 
 
+def is_torchmetrics_class(target) -> bool:
+    """Whether `target` (what an import path names) is a torchmetrics.Metric subclass."""
+    import inspect
+
+    if not inspect.isclass(target) or "torchmetrics" not in {c.__module__.split(".")[0] for c in target.__mro__}:
+        return False
+    from torchmetrics import Metric
+
+    return issubclass(target, Metric)
+
+
+def snake_case(name: str) -> str:
+    """`MulticlassF1Score` -> `multiclass_f1_score`, `AUROC` -> `auroc`."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+METRIC_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*")
+
+
+def check_metric(spec, where: str, loss: str) -> None:
+    """One `task.metrics` entry: a built-in, a function of the user's, or a torchmetrics Metric class whose
+    constructor takes its kwargs (checked against its signature; nothing is called)."""
+    import inspect
+
+    name, kwargs = spec.name, dict(spec.kwargs)
+    if not is_import_path(name):
+        if name not in METRICS:
+            raise BadInput(f"{where}.name: unknown metric '{name}'. Use {', '.join(METRICS)}, an import path "
+                           "'mypackage.metrics:my_metric' to a function (outputs, targets) -> {name: (sum, count)}, "
+                           "or a torchmetrics Metric class ('torchmetrics.classification:MulticlassF1Score').")
+        if loss in ("mse", "bce_with_logits"):
+            raise BadInput(f"{where}: '{name}' needs class scores, but task.loss is '{loss}'. Drop it from "
+                           "task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")
+        target = None
+    else:
+        target = resolve_import_path(name, f"{where}.name", kind="metric")
+    if target is not None and is_torchmetrics_class(target):
+        try:
+            inspect.signature(target).bind(**kwargs)
+        except TypeError as exc:
+            raise BadInput(f"{where}.kwargs: {name} does not take {kwargs} ({exc}). Fix the metric's kwargs.") from None
+        if spec.log_as is not None and not METRIC_KEY.fullmatch(spec.log_as):
+            raise BadInput(f"{where}.log_as: '{spec.log_as}' is not a metric name: use letters, digits, '_', '-', "
+                           "'.' and '/'.")
+        return
+    if target is not None and (inspect.isclass(target) or not callable(target)):
+        raise BadInput(f"{where}.name: '{name}' is neither a function (outputs, targets) -> {{name: (sum, count)}} "
+                       "nor a torchmetrics.Metric class. Give one of the two.")
+    for key, value in (("kwargs", kwargs or None), ("log_as", spec.log_as)):
+        if value is not None:
+            raise BadInput(f"{where}.{key}: only a torchmetrics Metric class takes {key}; '{name}' is a function "
+                           "whose names are the keys it returns. Remove it.")
+
+
 def check_task(task) -> None:
-    """The loss and every metric resolve (import paths are imported, nothing is called), and the built-in
-    metrics fit the loss."""
+    """The loss and every metric resolve (import paths are imported, nothing is called), the built-in metrics fit
+    the loss, and `task.inputs` comes with `task.target`."""
     check_loss_name(task.loss)
-    for name in task.metrics:
-        if is_import_path(name):
-            resolve_import_path(name, "task.metrics", kind="metric")
-        elif name not in METRICS:
-            raise BadInput(f"task.metrics: unknown metric '{name}'. Use {', '.join(METRICS)} or an import path "
-                           "'mypackage.metrics:my_metric' to a function (outputs, targets) -> {name: (sum, count)}.")
-        elif task.loss in ("mse", "bce_with_logits"):
-            raise BadInput(f"task.metrics: '{name}' needs class scores, but task.loss is '{task.loss}'. Drop it "
-                           "from task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")
+    for index, spec in enumerate(task.metrics):
+        check_metric(spec, f"task.metrics[{index}]", task.loss)
+    if task.inputs and task.target is None:
+        raise BadInput(f"task.target: task.inputs names the model's inputs ({', '.join(task.inputs)}), so the batch "
+                       "is not an (inputs, targets) pair: name the part the loss compares the outputs with "
+                       "(e.g. task.target: labels).")
+    if task.target is not None and task.target in task.inputs:
+        raise BadInput(f"task.inputs: '{task.target}' is the target (task.target); it cannot be an input too.")
 
 
 CALLBACK_METHODS = ("setup", "before_step", "after_backward", "after_step", "end_epoch", "collect", "on_checkpoint",
@@ -79,8 +144,6 @@ CALLBACK_METHODS = ("setup", "before_step", "after_backward", "after_step", "end
 def check_callbacks(callbacks) -> None:
     """Each callback resolves to a class (or factory) of the user's, has at least one hook method, and takes its
     kwargs (checked against its signature; nothing is called)."""
-    import inspect
-
     for index, spec in enumerate(callbacks):
         where = f"callbacks[{index}]"
         target = resolve_import_path(spec.name, f"{where}.name", kind="callback")

@@ -64,7 +64,25 @@ class DataSection:
     """Image transforms for torchvision datasets and ImageFolder (ToTensor always)."""
     loader: str = "dataloader"
     """`dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
-    worker's device, each rank taking its shard, augmentation on the device, no loader processes."""
+    worker's device, each rank taking its shard, augmentation on the device, no loader processes. `device` holds
+    (inputs, targets) tensors of any dtype (a TensorDataset, the built-in datasets); samples that need a collate
+    function (`data.collate`) or a batch of named parts (`task.inputs`) need `dataloader`."""
+    collate: Optional[str] = None
+    """Import path `package.module:fn` to the collate function that turns a list of samples into a batch (e.g.
+    padding variable-length sequences), for the training and evaluation loaders and pre-flight; null: each
+    dataset's own `collate_fn` attribute when it has one, else torch's default_collate."""
+
+
+@dataclass
+class MetricSection:
+    name: str = MISSING
+    """`accuracy`, `top5`, an import path to your own function `fn(outputs, targets) -> {name: (sum, count)}`, or
+    to a torchmetrics.Metric class (`torchmetrics.classification:MulticlassF1Score`)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a torchmetrics Metric's constructor (`{num_classes: 4, average: macro}`)."""
+    log_as: Optional[str] = None
+    """A torchmetrics Metric is logged as `eval/<log_as>`; null: its class name in snake case
+    (`MulticlassF1Score` -> `eval/multiclass_f1_score`). A function's names are the keys it returns."""
 
 
 @dataclass
@@ -74,9 +92,19 @@ class TaskSection:
     own `fn(outputs, targets) -> loss` (the batch mean)."""
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
-    metrics: List[str] = field(default_factory=lambda: ["accuracy"])
-    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, or import paths to your own
-    `fn(outputs, targets) -> {name: (sum, count)}`, summed over batches and ranks."""
+    metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, import paths to your own
+    `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name: <torchmetrics Metric
+    class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A bare string is `{name:
+    ...}`."""
+    inputs: List[str] = field(default_factory=list)
+    """The parts of a batch the model takes, by key (a dict batch), attribute (a dataclass or named tuple) or
+    index (a tuple): named ones are passed as keyword arguments (`model(input_ids=..., attention_mask=...)`),
+    indices positionally. Empty: a batch is `(inputs, targets)` (inputs a tensor, a tuple of positional inputs or
+    a dict of keyword inputs), or, with `task.target` set, every part of the batch but the target."""
+    target: Optional[str] = None
+    """The part of a batch the loss and metrics compare the outputs with (`labels`, or an index); null: batches are
+    `(inputs, targets)` pairs."""
 
 
 @dataclass
@@ -143,8 +171,8 @@ class ScalerGuardSection:
     checkpoint's weights, optimizer and scaler, and go on), `promote` (move the overflowing layers to fp32
     through the policy, and go on)."""
     on_nan_loss: str = "abort"
-    """A non-finite loss (not a gradient overflow): `abort`, or `skip` the step without backing off the
-    scale. The same decision on every rank. `skip` costs a host sync per step when no GradScaler runs."""
+    """A non-finite loss (not a gradient overflow), found on any rank at its step: `abort`, or `skip` the step
+    without backing off the scale (it counts toward `max_consecutive_skips`). The same decision on every rank."""
 
 
 @dataclass
@@ -180,6 +208,11 @@ class PrecisionSection:
     """Clean steps between scale increases."""
     lint: str = "error"
     """What a dangerous combination found before training does: `error` (exit 2), `warn`, or `off`."""
+    on_nonfinite_grads: str = "skip"
+    """Without a GradScaler (fp32, bf16, `loss_scale: none`), gradients holding inf or nan, found on any rank:
+    `skip` the step on every rank (it counts toward `scaler.max_consecutive_skips`), `fail` the run naming the
+    layer, or `warn` and step anyway. Counted in `amp/nonfinite_grad_steps`; checked with one all-reduced flag
+    per step, read on the host. With a GradScaler they are overflows: skipped, the scale backs off."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
     reduce_dtype: str = "float32"
@@ -293,6 +326,10 @@ class RunSection:
     """Base seed; rank r seeds its RNGs with seed + r."""
     eval_every_n_epochs: int = 1
     """Evaluate on the held-out split every N epochs (and always after the last)."""
+    eval_every_n_steps: Optional[int] = None
+    """Also evaluate every N optimizer steps, mid-epoch included, logged with that step's report (Lightning's
+    `val_check_interval`); a checkpoint taken at that step is scored by it (`checkpoint.score_metric`). Early
+    stopping watches the evaluations at epoch ends. Null: at epoch ends only."""
     max_steps_per_epoch: Optional[int] = None
     """Stop each epoch after this many steps (for smoke runs); None trains on the whole shard."""
     freeze_norm: bool = False
@@ -343,8 +380,10 @@ class CheckpointSection:
     """Ray Train storage (local dir or URI); defaults to <submit dir>/ray_results."""
     score_metric: Optional[str] = None
     """Keep and log the best checkpoint by this evaluation metric (`eval/loss`, `eval/<metric>`), not the newest:
-    the `num_to_keep` best are kept (and always the newest, to resume from); the logged model is the best one.
-    Null: the newest checkpoints are kept and the final model is logged."""
+    the `num_to_keep` best of the checkpoints taken with an evaluation are kept, and always the newest, to resume
+    from (a checkpoint without an evaluation, mid-epoch or between `run.eval_every_n_epochs`, is kept only while
+    it is the newest); the logged model is the best one. Null: the newest checkpoints are kept and the final
+    model is logged."""
     score_mode: str = "max"
     """`max`: a higher `score_metric` is better; `min`: lower is better."""
 

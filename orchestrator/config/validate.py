@@ -14,6 +14,7 @@ from orchestrator.precision.policy import Policy
 LINT_LEVELS = ("error", "warn", "off")
 ON_COLLAPSE = ("abort", "rollback", "promote")
 ON_NAN_LOSS = ("abort", "skip")
+ON_NONFINITE_GRADS = ("skip", "fail", "warn")
 LOADERS = ("dataloader", "device")
 OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 COMM_HOOKS = ("none", "fp16", "bf16")
@@ -43,6 +44,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.run.epochs >= 1, "run.epochs", f"must be >= 1, got {cfg.run.epochs}.")
     r(cfg.run.batch_size >= 1, "run.batch_size", f"must be >= 1, got {cfg.run.batch_size}.")
     r(cfg.run.eval_every_n_epochs >= 1, "run.eval_every_n_epochs", "must be >= 1.")
+    every = cfg.run.eval_every_n_steps
+    r(every is None or every >= 1, "run.eval_every_n_steps", f"must be >= 1 or null, got {every}.")
     steps = cfg.run.max_steps_per_epoch
     r(steps is None or steps >= 1, "run.max_steps_per_epoch", f"must be >= 1 or null, got {steps}.")
 
@@ -57,6 +60,11 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.data.loader != "device" or cfg.data.loader_workers == 0, "data.loader_workers",
       "must be 0 with data.loader: device (the data is already on the device; there is nothing for "
       "loader processes to do).")
+    for key, given in (("data.collate", cfg.data.collate is not None), ("task.inputs", bool(cfg.task.inputs)),
+                       ("task.target", cfg.task.target is not None)):
+        r(cfg.data.loader != "device" or not given, "data.loader",
+          f"device slices (inputs, targets) tensors out of a dataset held on the device, so it takes no {key}: use "
+          "data.loader: dataloader for batches a collate function makes or batches of named parts.")
     transforms = cfg.data.transforms
     r((transforms.mean is None) == (transforms.std is None)
       and (transforms.mean is None or len(transforms.mean) == len(transforms.std)), "data.transforms",
@@ -76,6 +84,7 @@ def validate(cfg: DictConfig, source: str) -> None:
         names.check_dataset_name(cfg.data.name)
         names.check_model_name(cfg.model.name)
         names.check_task(cfg.task)
+        names.check_collate(cfg.data.collate)
         optim.check(cfg.optim)
         names.check_callbacks(cfg.callbacks)
     except BadInput as exc:
@@ -85,6 +94,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     guard = cfg.precision.scaler
     r(guard.on_collapse in ON_COLLAPSE, "precision.scaler.on_collapse", f"must be one of {', '.join(ON_COLLAPSE)}.")
     r(guard.on_nan_loss in ON_NAN_LOSS, "precision.scaler.on_nan_loss", f"must be one of {', '.join(ON_NAN_LOSS)}.")
+    r(cfg.precision.on_nonfinite_grads in ON_NONFINITE_GRADS, "precision.on_nonfinite_grads",
+      f"must be one of {', '.join(ON_NONFINITE_GRADS)}.")
     r(guard.min_scale is None or (math.isfinite(guard.min_scale) and guard.min_scale >= 0),
       "precision.scaler.min_scale", f"must be a finite number >= 0, or null to disable, got {guard.min_scale}.")
     r(guard.max_consecutive_skips is None or guard.max_consecutive_skips >= 0,
@@ -108,11 +119,6 @@ def validate(cfg: DictConfig, source: str) -> None:
       f"'{score}' is not an evaluation metric: use eval/loss or eval/<one of task.metrics>.")
     r(cfg.checkpoint.score_mode in ("min", "max"), "checkpoint.score_mode",
       f"must be min or max, got '{cfg.checkpoint.score_mode}'.")
-    r(score is None or cfg.checkpoint.every_n_steps is None, "checkpoint.score_metric",
-      "mid-epoch checkpoints (checkpoint.every_n_steps) carry no evaluation to be scored by: set one of the two.")
-    r(score is None or cfg.checkpoint.every_n_epochs % cfg.run.eval_every_n_epochs == 0, "checkpoint.score_metric",
-      "every checkpoint must follow an evaluation: make checkpoint.every_n_epochs a multiple of "
-      "run.eval_every_n_epochs.")
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
     r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")
@@ -124,7 +130,7 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
     # Class scores: cross-entropy's outputs, or your own loss's when you evaluate accuracy on them.
     scores = cfg.task.loss in names.CLASSIFICATION_LOSSES or (
-        is_import_path(cfg.task.loss) and "accuracy" in cfg.task.metrics)
+        is_import_path(cfg.task.loss) and "accuracy" in [metric.name for metric in cfg.task.metrics])
     r(export_dtype is None or scores, "export.dtype",
       f"the export is checked by its accuracy drop, which needs class scores; task.loss is '{cfg.task.loss}'. "
       "Leave export.dtype null for this task (with a classification loss of your own, add 'accuracy' to "

@@ -7,10 +7,12 @@ from orchestrator.precision.masters import MasterWeights
 from orchestrator.precision.policy import Audit, LayerPlan, Policy, apply, broken_promises, plan
 from orchestrator.precision.precision import Precision, PolicyNotHonoured
 from orchestrator.precision.scaler import make_scaler
-from orchestrator.precision.scaling import GuardedScaler, LossScaleCollapsed, NonFiniteLoss, StepOutcome
+from orchestrator.precision.scaling import (GuardedScaler, LossScaleCollapsed, NonFiniteGradients, NonFiniteLoss,
+                                           NothingTrained, StepOutcome)
 
 __all__ = [
-    "AmpSettings", "Audit", "GuardedScaler", "LayerPlan", "LossScaleCollapsed", "MasterWeights", "NonFiniteLoss",
+    "AmpSettings", "Audit", "GuardedScaler", "LayerPlan", "LossScaleCollapsed", "MasterWeights", "NonFiniteGradients",
+    "NonFiniteLoss", "NothingTrained",
     "Policy", "PolicyNotHonoured", "Precision", "StepOutcome", "apply", "autocast_context", "broken_promises",
     "dtype_name", "make_scaler", "parse_dtype", "plan",
 ]

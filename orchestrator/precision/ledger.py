@@ -1,6 +1,6 @@
 """Memory as it really is: bytes by dtype per category, measured on live tensors.
 
-Categories (the `memory/<category>/<dtype>` metrics and the summary CLI's `bytes`):
+Categories (the `memory/<category>_<dtype>_bytes` metrics and the summary CLI's `bytes`):
 - `params`: the model's parameters as stored under the precision policy;
 - `grads`: the gradients backward produced for them (in the parameter's dtype, what DDP reduces);
 - `optimizer`: per-element optimizer state (momentum, Adam moments; scalar step counters are left out);
@@ -149,8 +149,9 @@ class MemoryLedger:
         self.complete = True
 
     def metrics(self) -> dict[str, float]:
-        """`memory/<category>/<dtype>` for every category measured so far."""
-        return {f"memory/{category}/{dtype}": float(size)
+        """`memory/<category>_<dtype>_bytes` (`memory/params_float16_bytes`) for every category measured so far: the
+        metric's last segment, which MLflow titles its chart with, says what it is."""
+        return {f"memory/{category}_{dtype}_bytes": float(size)
                 for category, per_dtype in self.bytes.items() for dtype, size in per_dtype.items()}
 
     def take_table(self) -> Optional[list[dict[str, object]]]:

@@ -50,7 +50,7 @@ class Precision:
         if problem:
             raise RuntimeError(f"precision: {problem}")
         self.guard = GuardedScaler(self.policy.amp, section.scaler, device, rank, world_size,
-                                   enabled=self.policy.scaler_enabled)
+                                   enabled=self.policy.scaler_enabled, on_nonfinite_grads=section.on_nonfinite_grads)
         self.masters: Optional[MasterWeights] = None
         self.audit: Optional[Audit] = None
         """Records the first step's output dtypes; None once closed."""

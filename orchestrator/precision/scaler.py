@@ -5,10 +5,11 @@ the per-device found-inf flags `unscale_()` computed (`_per_optimizer_states`), 
 (`_scale`, to cap it without a host sync), the unscale routine (`_unscale_grads_`, to unscale fp16
 gradients in place) and the initial scale (`_init_scale`). They have not changed since torch 1.6;
 `tests/test_amp.py::test_the_grad_scaler_internals_ampflow_reads_are_where_it_reads_them` fails the
-day they do.
+day they do. Without a scaler, gradients are checked with GradScaler's own kernel (`nonfinite_flag`).
 """
 
-from typing import Optional
+from collections import defaultdict
+from typing import Optional, Sequence
 
 import torch
 
@@ -51,3 +52,21 @@ def make_scaler(settings: AmpSettings, device_type: str, enabled: Optional[bool]
     if isinstance(settings.loss_scale, float):
         return FixedScaler(init_scale=settings.loss_scale, **kwargs)
     return Scaler(init_scale=settings.init_scale, **kwargs)
+
+
+@torch.no_grad()
+def nonfinite_flag(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 on `device` when any of `grads` holds inf or nan, else 0.0, without a host sync: GradScaler's own
+    check (`torch._amp_foreach_non_finite_check_and_unscale_`, one kernel per device and dtype) with a scale
+    of 1, which leaves the gradients as they are."""
+    found = torch.zeros((), device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        if grad.is_sparse:
+            grad = grad.coalesce().values()
+        groups[(grad.device, grad.dtype)].append(grad)
+    for (where, _), group in groups.items():
+        flag, one = torch.zeros(1, device=where), torch.ones(1, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+        found += flag.to(device).reshape(())
+    return found.clamp(max=1)

@@ -7,11 +7,13 @@ starts (or joins) Ray, trains, and always closes the run FINISHED, FAILED or KIL
 (Ray's start itself: `orchestrator.runner.ray_start`).
 """
 
+import json
 import logging
 import re
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -31,6 +33,11 @@ from orchestrator.tracking.secrets import install_console_redaction, redact
 
 logger = logging.getLogger("ampflow.runner")
 
+CLOSE_ON_INTERRUPT_S = 5.0
+"""After Ctrl-C or SIGTERM, how long the run's last reports, and then its KILLED status, each get to reach MLflow:
+the command must end within `errors.INTERRUPT_DEADLINE_S`."""
+
+
 @dataclass
 class RunPlan:
     cfg: DictConfig
@@ -48,8 +55,8 @@ class RunPlan:
     datasets: Sequence = ()
     """The train and eval sets' lineage, for a run created once MLflow answers (`RunChoice.datasets`)."""
     ray: Optional[RayStart] = None
-    """Ray as it was started for this run while its MLflow run was created (`plan_run_as_ray_starts`); None:
-    `execute` starts it."""
+    """Ray as it was started for this run while its MLflow run was created (`plan_run_as_ray_starts`), or by
+    `execute` (when None, it starts it); `execute` releases it once the run is closed."""
 
 
 @dataclass
@@ -93,6 +100,33 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
     return tracker
 
 
+def record_precision_change(tracker, cfg: DictConfig, resumed_from) -> None:
+    """A run resumed under another precision section says what trained when: the tags `preset` and
+    `compute_dtype` name what trains from now on, `precision_history` lists each from its first step (JSON), and
+    the params that changed are logged again as `from_step_<N>/precision.<key>` (MLflow keeps a param's first
+    value)."""
+    from omegaconf import OmegaConf
+
+    now = OmegaConf.to_container(cfg.precision, resolve=True)
+    if resumed_from is None or not resumed_from.precision or resumed_from.precision == now:
+        return
+    before = flatten(OmegaConf.create({"precision": resumed_from.precision}))
+    after = flatten(OmegaConf.create({"precision": now}))
+    first = resumed_from.global_step + 1
+    changed = {key: after.get(key, "(unset)") for key in {**before, **after} if before.get(key) != after.get(key)}
+    history = json.loads(tracker.tags().get("precision_history") or "[]") or [
+        {"from_step": 1, "preset": str(resumed_from.precision.get("preset") or "custom"),
+         "compute_dtype": resumed_from.precision.get("compute_dtype")}]
+    history.append({"from_step": first, "preset": str(cfg.precision.preset or "custom"),
+                    "compute_dtype": cfg.precision.compute_dtype})
+    tracker.log_params({f"from_step_{first}/{key}": value for key, value in changed.items()})
+    tracker.set_tags({"preset": history[-1]["preset"], "compute_dtype": cfg.precision.compute_dtype,
+                      "precision_history": json.dumps(history)})
+    print(f"warning: --resume: the precision section differs from the one run {tracker.run_id} trained with "
+          f"({', '.join(f'{key}: {before.get(key)} -> {value}' for key, value in sorted(changed.items()))}); "
+          f"recorded on the run from step {first}.", file=sys.stderr)
+
+
 def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunChoice,
              parent_run_id: Optional[str] = None) -> RunPlan:
     """The MLflow run of `run` (as `preflight` chose it), created or reopened; BadInput (exit 2) before
@@ -112,6 +146,7 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
         if resume and run.mlflow_run_id:
             tracker = RunTracker.open(uri, run.mlflow_run_id)
             tracker.reopen()
+            record_precision_change(tracker, cfg, run.resumed_from)
         else:
             tracker = _start_run(cfg, job_path, uri, run_name, parent_run_id, run.datasets)
     except BaseException as exc:
@@ -135,8 +170,6 @@ def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[st
     with nothing started, or the warning of `tracking.required: false`). What `plan_run` refuses otherwise is
     raised here, after the Ray started for it is shut down; a Ray that failed, or a Ctrl-C / SIGTERM while it
     started, is `execute`'s to end the created run with."""
-    import ray
-
     from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
 
     quick_http_failures()  # here, not on the thread: Ray's processes start with this environment
@@ -155,16 +188,15 @@ def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[st
     planning = threading.Thread(target=plan, name="ampflow-plan-run", daemon=True)
     planning.start()
     ray_start = start_ray(address, models.module_sources(cfg))
-    while planning.is_alive():  # a run being created is waited for, so that an interrupt can close it
+    # A run being created is waited for, so that an interrupt can close it (a command still ends within
+    # errors.INTERRUPT_DEADLINE_S of the signal, whatever takes long).
+    while planning.is_alive():
         try:
             planning.join()
         except KeyboardInterrupt as exc:
             ray_start.error = ray_start.error or exc
     if "error" in outcome:
-        if ray_start.started:
-            ray.shutdown()
-        if ray_start.previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, ray_start.previous_sigterm)
+        ray_start.release()
         interrupt = ray_start.error if isinstance(ray_start.error, (KeyboardInterrupt, SystemExit)) else None
         raise interrupt or outcome["error"]
     plan = outcome["plan"]
@@ -215,19 +247,22 @@ def execute(plan: RunPlan) -> int:
     try:
         return _execute(plan, end)
     except BaseException as exc:
-        # SystemExit: Ctrl-C during fit(), which installs Ray Train's SIGINT handler (it aborts the controller
-        # and calls sys.exit).
+        # SystemExit: SIGTERM while ray.init's own handler was installed (it exits with the signal's number).
         interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-        end.close("KILLED" if interrupted else "FAILED", timeout_s=10)
+        if interrupted and plan.ray is not None:
+            plan.ray.stop_training()  # the workers go now, stuck or not
+        end.close("KILLED" if interrupted else "FAILED", timeout_s=CLOSE_ON_INTERRUPT_S if interrupted else 10)
         if interrupted:
             hint = (f"Run {plan.run_name} closed KILLED; continue it from its last checkpoint with: "
                     f"python -m orchestrator.submit {plan.job_path} --resume")
             raise Interrupted(Interrupted.of(exc).signum, resume_hint=hint) from None
         raise
+    finally:
+        if plan.ray is not None:  # after the run is closed: its writer no longer calls Ray
+            plan.ray.release()
 
 
 def _execute(plan: RunPlan, end: RunEnd) -> int:
-    import ray
     from ray.train import TrainingFailedError
 
     from orchestrator.runner.launch import build_trainer
@@ -242,54 +277,66 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         logger.info(f"{verb} {plan.tracker.run_id} ({plan.run_name}) in experiment '{cfg.tracking.experiment}' "
                     f"at {redact(plan.uri)}")
     module_sources = models.module_sources(cfg)
-    ray_start = plan.ray or start_ray(plan.address, module_sources)
-    try:
-        if isinstance(ray_start.error, (KeyboardInterrupt, SystemExit)):
-            raise ray_start.error  # execute() closes the run KILLED
-        if ray_start.error is not None:  # e.g. no cluster at --address: the run was created, so close it
-            end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
-            error = ray_start.error
-            print(f"\nerror: Ray could not be started or reached ({type(error).__name__}: {redact(str(error))[:500]}). "
-                  "Check --address / RAY_ADDRESS, or leave it out to train on a local Ray.", file=sys.stderr)
-            return EXIT_FAILED
-        if plan.address:
-            shortfall = check_cluster_capacity(cfg)
-            if shortfall:
-                print(f"warning: {shortfall}", file=sys.stderr)
-        run_id = plan.tracker.run_id if plan.tracker is not None else None
-        records.write_record(storage, plan.run_name, job_file=str(plan.job_path.resolve()), run_id=run_id,
-                             tracking_uri=redact(plan.uri), status="RUNNING", launched_at=ray_start.launched_at)
-        relay = ReportRelay.remote()
-        writer = end.writer = MlflowWriter(
-            relay, plan.tracker,
-            start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id,
-                                         plan.datasets),
-            on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq))
-        if plan.resume and plan.tracker is not None:
-            writer.resume_from_run()
-        writer.start()
-        trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
-                                worker_runtime_env=ray_start.worker_runtime_env, run_id=run_id,
-                                launched_at=ray_start.launched_at,
-                                relay=relay)
-        failure = None
-        with ConsoleProgress(lambda: writer.newest, lines=writer.take_printed, show_progress=console.progress_shown()):
-            try:
+    ray_start = plan.ray = plan.ray or start_ray(plan.address, module_sources)
+    if isinstance(ray_start.error, (KeyboardInterrupt, SystemExit)):
+        raise ray_start.error  # execute() closes the run KILLED
+    if ray_start.error is not None:  # e.g. no cluster at --address: the run was created, so close it
+        end.close("FAILED", timeout_s=10)  # no record yet: nothing in storage to close
+        error = f"Ray could not be started or reached ({type(ray_start.error).__name__}: " \
+                f"{redact(str(ray_start.error))[:500]})"
+        plan.result = RunResult(end.tracker.run_id if end.tracker is not None else None, "FAILED", {}, None, None,
+                                error=error)
+        print(f"\nerror: {error}. Check --address / RAY_ADDRESS, or leave both out to train on a local Ray.",
+              file=sys.stderr)
+        return EXIT_FAILED
+    if plan.address:
+        shortfall = check_cluster_capacity(cfg)
+        if shortfall:
+            print(f"warning: {shortfall}", file=sys.stderr)
+    run_id = plan.tracker.run_id if plan.tracker is not None else None
+    records.write_record(storage, plan.run_name, job_file=str(plan.job_path.resolve()), run_id=run_id,
+                         tracking_uri=redact(plan.uri), status="RUNNING", launched_at=ray_start.launched_at)
+    relay = ReportRelay.remote()
+    writer = end.writer = MlflowWriter(
+        relay, plan.tracker,
+        start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id,
+                                     plan.datasets),
+        on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq))
+    if plan.resume and plan.tracker is not None:
+        writer.resume_from_run()
+    writer.start()
+    trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
+                            worker_runtime_env=ray_start.worker_runtime_env, run_id=run_id,
+                            launched_at=ray_start.launched_at,
+                            relay=relay)
+    ray_start.trainer = trainer
+    failure = None
+    with ConsoleProgress(lambda: writer.newest, lines=writer.take_printed, show_progress=console.progress_shown()):
+        try:
+            with _sigint_kept():
                 result = trainer.fit()
-            except TrainingFailedError as exc:
-                failure = exc
-            # Inside the progress line: the writer takes the relay's last reports, so the final line is the last step.
-            tracker = end.flush(cfg.tracking.flush_timeout_s)
-        if tracker is not None and tracker.run_id != run_id:
-            records.write_record(storage, plan.run_name, run_id=tracker.run_id)
-        if failure is not None:
-            return _failed(plan, end, failure)
-        return _finished(plan, end, result, module_sources)
+        except TrainingFailedError as exc:
+            failure = exc
+        # Inside the progress line: the writer takes the relay's last reports, so the final line is the last step.
+        tracker = end.flush(cfg.tracking.flush_timeout_s)
+    if tracker is not None and tracker.run_id != run_id:
+        records.write_record(storage, plan.run_name, run_id=tracker.run_id)
+    if failure is not None:
+        return _failed(plan, end, failure)
+    return _finished(plan, end, result, module_sources)
+
+
+@contextmanager
+def _sigint_kept():
+    """The SIGINT handler as it was before, afterwards: Ctrl-C stays the driver's (`launch.build_trainer`'s trainer
+    leaves it alone; should Ray Train install its own, which swallows a Ctrl-C once the run ended, it goes)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if on_main else None
+    try:
+        yield
     finally:
-        if ray_start.previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, ray_start.previous_sigterm)
-        if ray_start.started:
-            ray.shutdown()
+        if on_main and before is not None and signal.getsignal(signal.SIGINT) is not before:
+            signal.signal(signal.SIGINT, before)
 
 
 def _last_frame(traceback_text: str) -> Optional[str]:
@@ -329,9 +376,23 @@ def _failed(plan: RunPlan, end: RunEnd, failure) -> int:
     print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
-          f"Continue from the last checkpoint with: python -m orchestrator.submit {plan.job_path} --resume",
-          file=sys.stderr)
+          f"{resume_hint(plan)}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def resume_hint(plan: RunPlan) -> str:
+    """What a failed run can be continued from: its newest finite checkpoint, named, or nothing."""
+    from orchestrator.runner.checkpoints import newest_finite
+
+    try:
+        stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
+    except OSError as exc:  # storage itself is what failed
+        return f"Its checkpoints could not be listed ({exc})."
+    if stored is None:
+        return ("No finite checkpoint was written: there is nothing to resume. Fix the cause, then run the job "
+                "again without --resume.")
+    return (f"The newest finite checkpoint is {stored.path} (step {stored.facts.global_step}); once the cause is "
+            f"fixed, continue from it with: python -m orchestrator.submit {plan.job_path} --resume")
 
 
 def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]) -> int:
@@ -355,6 +416,8 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
         if key in final:
             print(f"  {key:<20} {final[key]:.6g}")
     print(f"Checkpoints: {result.path}")
+    if model_uri is not None:
+        print(f"Model:    {model_uri}  (mlflow.pytorch.load_model / mlflow.pyfunc.load_model)")
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
     plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code

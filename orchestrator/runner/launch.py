@@ -8,7 +8,23 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.memory import allocator_env
-from orchestrator.train.report import score_attribute
+from orchestrator.train.report import CHECKPOINT_SCORE
+
+
+class DriverTrainer(TorchTrainer):
+    """A TorchTrainer whose `fit()` leaves Ctrl-C to the driver, and which keeps its run's controller.
+
+    Ray Train's own SIGINT handler aborts the run with a blocking call to the controller made from inside the
+    signal handler (Ctrl-C then waits on the controller, and with a busy or stuck one does not end the driver),
+    and, left installed after `fit()`, swallows a Ctrl-C that comes during the final logging. Here Ctrl-C raises
+    like SIGTERM, and the driver kills the controller (`RayStart.stop_training`): its workers go with it.
+    """
+
+    controller = None
+    """The run's Ray Train controller actor, once `fit()` has made it."""
+
+    def _register_sigint_handler(self, controller) -> None:  # Ray Train calls it, on the main thread, in fit()
+        self.controller = controller
 
 
 def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
@@ -25,7 +41,7 @@ def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
 
 def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,
                   worker_runtime_env: Optional[dict] = None, run_id: Optional[str] = None,
-                  launched_at: Optional[float] = None, relay=None) -> TorchTrainer:
+                  launched_at: Optional[float] = None, relay=None) -> DriverTrainer:
     """The trainer for a job; the same `run_name` and `storage_path` make Ray Train restore that run.
 
     `launched_at` (wall-clock seconds) is when submit began: the workers report `perf/time_to_first_step_s`
@@ -41,13 +57,13 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
         storage_path=storage_path,
         failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep,
-                                           checkpoint_score_attribute=score_attribute(cfg.checkpoint.score_metric)
-                                           if cfg.checkpoint.score_metric else None,
+                                           checkpoint_score_attribute=CHECKPOINT_SCORE if cfg.checkpoint.score_metric
+                                           else None,
                                            checkpoint_score_order=cfg.checkpoint.score_mode),
         callbacks=callbacks,
         worker_runtime_env=worker_env(cfg, worker_runtime_env),
     )
-    return TorchTrainer(
+    return DriverTrainer(
         train_loop,
         train_loop_config={"job": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
                            "launched_at": launched_at, "relay": relay},

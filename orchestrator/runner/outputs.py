@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
 from omegaconf import DictConfig
 
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.precision.finite import NonFiniteModel, model_nonfinite
 from orchestrator.train import models
 from orchestrator.train.report import Report
 
@@ -36,14 +36,20 @@ def log_outputs(cfg: DictConfig, result, tracker, module_sources: Sequence[Path]
 
 
 def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequence[Path] = ()) -> Optional[str]:
-    """Log the checkpoint's model (fp32, eval mode) to the run, with an example input of the shape it trained
-    on; returns its URI, or None with a warning when it cannot be logged (the trained run stands either way)."""
+    """Log the checkpoint's model (fp32, eval mode) to the run, taking the inputs it trained on (names, dtypes
+    and an example from its first batch); returns its URI, or None with a warning when it cannot be logged (the
+    trained run stands either way)."""
+    from orchestrator.tracking.logged_model import ModelInputs
+
     try:
-        model, sample_shape = _trained_model(cfg, checkpoint)
-        if not sample_shape:
-            raise ValueError("its checkpoint does not record the input shape (written by an older version)")
-        example = np.zeros((2, *sample_shape), dtype=np.float32)  # batch 2 keeps the export's batch dynamic
-        model_format = tracker.log_model(model, example, code_paths=[str(source) for source in module_sources] or None)
+        model, state = _trained_model(cfg, checkpoint)
+        if state.input_example:
+            inputs = ModelInputs.from_example(model, state.input_example)
+        elif state.sample_shape:  # a checkpoint written before the example was kept
+            inputs = ModelInputs.from_shape(state.sample_shape)
+        else:
+            raise ValueError("its checkpoint does not record the inputs (written by an older version)")
+        model_format = tracker.log_model(model, inputs, code_paths=[str(source) for source in module_sources] or None)
         tracker.set_tag("model_format", model_format)
         return f"runs:/{tracker.run_id}/model"
     except Exception as exc:
@@ -72,21 +78,25 @@ def chosen_checkpoint(cfg: DictConfig, result, tracker):
 
 def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
     """The job's model with the checkpoint's fp32 weights, in eval mode (what is logged and exported predicts:
-    batch statistics never leak into a prediction), and one input's shape as trained on. Under FSDP the weights
-    are read whole from the checkpoint's shards here, on the driver."""
+    batch statistics never leak into a prediction), and the checkpoint's train state. NonFiniteModel when the
+    weights are not finite. Under FSDP the weights are read whole from the checkpoint's shards here, on the
+    driver."""
     from orchestrator.train.strategy import load_trained_weights
 
     model = models.build_model(cfg.model)
-    sample_shape = load_trained_weights(checkpoint, model)
-    return model.eval(), sample_shape
+    state = load_trained_weights(checkpoint, model)
+    problem = model_nonfinite(model)
+    if problem:  # never logged nor exported
+        raise NonFiniteModel(f"its weights are not finite ({problem})")
+    return model.eval(), state
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
-    from orchestrator.cli.export import ExportRefused, export
+    from orchestrator.runner.export import ExportRefused, export
 
     try:
         result = export(_trained_model(cfg, checkpoint)[0], cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
-    except ExportRefused as exc:
+    except (ExportRefused, NonFiniteModel) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(f"Exported as {result.describe()}")

@@ -4,8 +4,8 @@ before Ray starts, an MLflow run exists or anything reaches a cluster.
 In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
 also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
 precision lint, the FSDP units (`scaling.strategy: fsdp`), this machine can hold the workers, and which run
-it is (a new name that is not taken, or the interrupted run `--resume` continues). The config itself was
-checked when it was loaded.
+it is (a new name that is not taken, or the interrupted run `--resume` continues, checked against its newest
+checkpoint: `orchestrator.train.resume`). The config itself was checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -36,6 +36,9 @@ class RunChoice:
     """The resumed run's MLflow run, when it had one (MLflow may have been down all through it)."""
     datasets: list = field(default_factory=list, compare=False)
     """The train and eval sets it reads (`DatasetLineage`s), logged as the MLflow run's dataset inputs."""
+    resumed_from: Optional[object] = field(default=None, compare=False)
+    """(`resume`) The facts of the checkpoint it continues from (`CheckpointFacts`), when there is one the driver
+    could read."""
 
 
 @dataclass
@@ -81,72 +84,119 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     if not to_job_server:  # a job server's storage is the cluster's
         for storage in dict.fromkeys(cfg.checkpoint.storage_path for cfg in configs):
             check_storage_writable(storage)
-    runs = [] if to_job_server else [choose_run(cfg, job_path, resume) for cfg in configs]
+    runs = [] if to_job_server else [
+        choose_run(cfg, job_path, resume, model=built[repr((cfg.model, cfg.data, cfg.task))],
+                   train_samples=next(d.num_samples for d in lineage[repr(cfg.data)] if d.context == "train"))
+        for cfg in configs]
     for cfg, run in zip(configs, runs):
         run.datasets = lineage[repr(cfg.data)]
     return Preflight(next(iter(built.values())), runs)
 
 
-def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None) -> list:
-    """The lineage of the job's train and eval sets (built from the config unless given)."""
+def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None, batches: tuple = (None, None)) -> list:
+    """The lineage of the job's train and eval sets (built from the config unless given); `batches`: a first
+    `Batch` of each, whose inputs describe the samples."""
     from orchestrator.tracking.lineage import describe
     from orchestrator.train.data import build_datasets
 
     train, evaluation = datasets or build_datasets(cfg.data, cfg.model.num_classes)
-    return describe(cfg.data, [("train", train), ("eval", evaluation)])
+    return describe(cfg.data, [("train", train), ("eval", evaluation)], batches)
+
+
+def first_batch(cfg: DictConfig, dataset, split: str):
+    """Two samples of `dataset` collated as its loader collates them and read as `task.inputs`/`task.target`
+    say: a collate function that fails on them, or a part the batch lacks, is bad input naming the key."""
+    from orchestrator.train.batch import BatchLayout
+    from orchestrator.train.data import collate_fn, collate_source
+
+    samples = [dataset[i] for i in range(min(2, len(dataset)))]
+    collate = collate_fn(cfg.data, dataset)
+    if collate is None:
+        from torch.utils.data import default_collate as collate
+    try:
+        raw = collate(samples)
+    except Exception as exc:  # whatever the collate function raises (RuntimeError on unequal sizes, KeyError, ...)
+        key = "data.collate" if cfg.data.collate is not None else "data.name"
+        hint = "Fix the collate function." if cfg.data.collate is not None else (
+            "Give data.collate (e.g. one that pads variable-length samples) or make the samples equal in size.")
+        raise BadInput(f"{key}: {collate_source(cfg.data, dataset)} fails on two samples of the {split} set of "
+                       f"data.name {cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). {hint}") from None
+    return BatchLayout.from_task(cfg.task).batch(raw)
 
 
 def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
-    """Two samples of the training set through the model, the loss and the metrics on the CPU: a model that
-    cannot take the data's shape, or whose outputs do not match the number of classes the data has, is refused
-    naming both; so is a loss or metric that fails on them. Returns the data's lineage (`describe_data`) and the
-    names of the metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
+    """Two samples of the training set, collated as the loaders collate them, through the model, the loss and the
+    metrics on the CPU, every input in its own dtype (int64 token ids stay int64): a model that cannot take the
+    batch, or whose outputs do not match the number of classes the data has, is refused naming both; so is a
+    loss or metric that fails on them, a collate function that fails, a `task.inputs` part the batch lacks, and
+    data `data.loader: device` cannot hold. Returns the data's lineage (`describe_data`) and the names of the
+    metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
     import torch
-    from torch.utils.data import default_collate
 
-    from orchestrator.train.data import build_datasets
+    from orchestrator.train.batch import describe
+    from orchestrator.train.data import build_datasets, device_refusal
     from orchestrator.train.modes import eval_mode
 
     train, evaluation = build_datasets(cfg.data, cfg.model.num_classes)
     if len(train) == 0:
         raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
-    inputs, targets = default_collate([train[i] for i in range(min(2, len(train)))])  # as the loaders batch them
-    inputs = inputs.float()
-    shape = "x".join(str(d) for d in inputs.shape[1:])
+    if cfg.data.loader == "device":
+        for split, dataset in (("training", train), ("eval", evaluation)):
+            refusal = device_refusal(dataset)
+            if refusal is not None:
+                raise BadInput(f"data.loader: device holds (inputs, targets) tensors on the device; data.name "
+                               f"{cfg.data.name}'s {split} set is {refusal}. Use data.loader: dataloader.")
+    batch = first_batch(cfg, train, "training")
+    eval_batch = first_batch(cfg, evaluation, "eval") if len(evaluation) else None
+    single = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else None
+    given = (f"samples of shape {'x'.join(str(d) for d in single.shape[1:])}" if isinstance(single, torch.Tensor)
+             else f"batches of {batch.describe_inputs()}")
     try:
         with torch.no_grad(), eval_mode(model):
-            outputs = model(inputs)
+            outputs = batch.forward(model)
     except Exception as exc:  # whatever the model raises on the wrong shape (RuntimeError, ValueError, ...)
-        raise BadInput(f"data.name: {cfg.data.name} gives samples of shape {shape}, which model.name "
-                       f"{cfg.model.name} cannot take ({type(exc).__name__}: {str(exc)[:300]}). Use a model for "
-                       "this input (e.g. model.kwargs) or transform the data (data.transforms).") from None
+        raise BadInput(f"data.name: {cfg.data.name} gives {given}, which model.name {cfg.model.name} cannot take "
+                       f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
+                       "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
     classes = getattr(train, "classes", None)
-    if cfg.task.loss == "cross_entropy" and classes is not None and outputs.dim() == 2 \
-            and outputs.shape[1] != len(classes):
+    if cfg.task.loss == "cross_entropy" and classes is not None and isinstance(outputs, torch.Tensor) \
+            and outputs.dim() == 2 and outputs.shape[1] != len(classes):
         raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
-    return describe_data(cfg, (train, evaluation)), evaluated_metrics(cfg, outputs, targets)
+    lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
+    return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe(outputs))
 
 
-def evaluated_metrics(cfg: DictConfig, outputs, targets) -> set[str]:
+def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") -> set[str]:
     """The job's loss and metrics on the model's outputs for two samples: the names an evaluation logs."""
-    from orchestrator.train.task import build_loss, build_metrics
+    from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
 
     def refuse(key: str, name: str, exc: Exception) -> BadInput:
-        return BadInput(f"{key}: '{name}' fails on model {cfg.model.name}'s outputs ({'x'.join(map(str, outputs.shape))}"
-                        f") for data {cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). Fix it, or choose a "
-                        "loss or metric for this kind of output.")
+        shape = described.partition(" ")[2] or described
+        return BadInput(f"{key}: '{name}' fails on model {cfg.model.name}'s outputs ({shape}) for data "
+                        f"{cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). Fix it, or choose a loss or "
+                        "metric for this kind of output.")
 
     try:
         build_loss(cfg.task)(outputs, targets)
     except Exception as exc:
         raise refuse("task.loss", cfg.task.loss, exc) from None
     names = {"eval/loss"}
-    for name, metric in zip(cfg.task.metrics, build_metrics(cfg.task)):
+    for index, spec in enumerate(cfg.task.metrics):
         try:
-            names.update(f"eval/{key}" for key in metric(outputs, targets))
+            metric = build_metric(spec)
+        except Exception as exc:  # a torchmetrics constructor refusing its kwargs' values
+            raise BadInput(f"task.metrics[{index}].kwargs: {spec.name} refuses {dict(spec.kwargs)} "
+                           f"({type(exc).__name__}: {str(exc)[:300]}). Fix the metric's kwargs.") from None
+        try:
+            import torch
+
+            metric.reset(torch.device("cpu"))
+            metric.update(fp32(outputs), targets)
+            computed = metric.sums if isinstance(metric, SummedMetric) else metric.compute()
         except Exception as exc:
-            raise refuse("task.metrics", name, exc) from None
+            raise refuse(f"task.metrics[{index}]", spec.name, exc) from None
+        names.update(f"eval/{key}" for key in computed)
     return names
 
 
@@ -158,7 +208,7 @@ def check_metric_names(cfg: DictConfig, evaluated: set[str]) -> None:
                       ("checkpoint.score_metric", cfg.checkpoint.score_metric)):
         if name is not None and name not in evaluated:
             raise BadInput(f"{key}: '{name}' is not a metric this job evaluates. It logs "
-                           f"{', '.join(sorted(evaluated))} (task.metrics={list(cfg.task.metrics)}).")
+                           f"{', '.join(sorted(evaluated))} (task.metrics: {', '.join(m.name for m in cfg.task.metrics) or 'none'}).")
 
 
 def check_optimizer(cfg: DictConfig, model, warned: set[str]) -> None:
@@ -196,19 +246,45 @@ def default_run_name(job_path: Path) -> str:
     return f"{job_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def choose_run(cfg: DictConfig, job_path: Path, resume: bool) -> RunChoice:
-    """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run."""
+def choose_run(cfg: DictConfig, job_path: Path, resume: bool, *, model=None,
+               train_samples: Optional[int] = None) -> RunChoice:
+    """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run, checked
+    against its newest checkpoint when `model` (the job's, built on the CPU) and `train_samples` are given."""
     from orchestrator.runner import records
 
     storage = cfg.checkpoint.storage_path
     if resume:
         record = records.find_resumable(storage, job_path)
-        return RunChoice(record["run_name"], resume=True, mlflow_run_id=record.get("run_id"))
+        run = RunChoice(record["run_name"], resume=True, mlflow_run_id=record.get("run_id"))
+        if model is not None and train_samples is not None:
+            run.resumed_from = check_resume_against_run(cfg, run.name, model, train_samples)
+        return run
     name = cfg.run.name or default_run_name(job_path)
     if records.run_exists(storage, name):
         raise BadInput(f"run.name: a run named '{name}' already exists in {storage}. Choose another run.name, "
                        "or continue it with `python -m orchestrator.submit JOB --resume`.")
     return RunChoice(name)
+
+
+def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_samples: int):
+    """The job against the newest checkpoint of the run it resumes, read from storage before Ray starts:
+    IncompatibleResume (exit 2) naming the key and both values when the checkpoint cannot go on under it
+    (`orchestrator.train.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
+    for one written before checkpoints recorded them, on a storage URI: then only the workers check)."""
+    from orchestrator.runner.checkpoints import newest
+    from orchestrator.train.resume import Layout, check_model, check_resume
+
+    stored = newest(cfg.checkpoint.storage_path, run_name)
+    if stored is None:
+        return None
+    if stored.facts is None:
+        print(f"warning: --resume: checkpoint {stored.path} was written by an earlier version without its "
+              "ampflow_checkpoint.json: the job is checked against it on the workers only.", file=sys.stderr)
+        return None
+    where = f"run {run_name} from {stored.name}"
+    check_model(stored.facts, {name: list(t.shape) for name, t in model.state_dict().items()}, cfg, where)
+    check_resume(stored.facts, Layout.of(cfg, train_samples, cfg.scaling.num_workers), where)
+    return stored.facts
 
 
 def check_storage_writable(storage_path: str) -> None:

@@ -1,22 +1,86 @@
 """Ray for one run: started here (a local Ray, with submit's report poll) or joined, what its start left
-behind (`RayStart`), and whether a tracking server listens before anything starts."""
+behind (`RayStart`), and whether a tracking server listens before anything starts.
+
+Without an address (no `--address`, no `RAY_ADDRESS`) the run starts a local Ray of its own: `ray.init` is
+given "local", never None, with which Ray would join whatever cluster `<Ray's temp dir>/ray_current_cluster`
+names (a file `ray start` leaves behind after its cluster is gone). A cluster at an explicit address is waited
+for at most `CLUSTER_WAIT_S`, in Python, so that Ctrl-C and SIGTERM end the wait at once.
+"""
 
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.errors import Interrupted, interrupt_on_sigterm
+from orchestrator.errors import interrupt_on_sigterm, interrupted_by
 
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
 
+CLUSTER_WAIT_S = 60.0
+"""How long submit, sweep and `run()` wait for the Ray cluster at an explicit address (`--address`,
+`RAY_ADDRESS`) to accept a connection before giving up (the run ends FAILED, exit 1)."""
+
+CONNECT_ATTEMPT_S = 2.0
+"""One connection attempt's limit while waiting for a cluster (then a second's pause and another try)."""
+
+
+class RayUnreachable(ConnectionError):
+    """No Ray cluster accepted a connection at the address within `CLUSTER_WAIT_S`."""
+
+
+def ray_address(address: Optional[str]) -> str:
+    """What `ray.init` is given: `address`, else `$RAY_ADDRESS`, else "local" (a Ray of this run's own)."""
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def wait_for_cluster(address: str, timeout_s: Optional[float] = None) -> None:
+    """Return once the GCS (or Ray Client server, `ray://`) at `address` accepts a TCP connection; RayUnreachable
+    after `timeout_s` (default `CLUSTER_WAIT_S`). "local" needs no wait; "auto" is the cluster Ray finds on this
+    machine, if any."""
+    target = _host_port(address)
+    if target is None:
+        return
+    timeout_s = CLUSTER_WAIT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(target, timeout=min(CONNECT_ATTEMPT_S, max(0.1, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            error = exc
+        if time.monotonic() >= deadline:
+            raise RayUnreachable(
+                f"no Ray cluster answered at {address} within {timeout_s:.0f} s (the wait's limit, CLUSTER_WAIT_S; "
+                f"last try: {type(error).__name__}: {error})")
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    if address == "local":
+        return None
+    if address == "auto":  # as ray.init resolves it: $RAY_ADDRESS, else the newest `ray start` on this machine
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            address = canonicalize_bootstrap_address("auto")
+        except Exception:  # nothing found: ray.init says so at once
+            return None
+        if address is None:
+            return None
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return None  # not HOST:PORT: ray.init reports it
+    return host.strip("[]"), int(port)
+
 
 def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tuple[bool, Optional[dict]]:
-    """Start (or connect to) Ray with worker logs kept off the console.
+    """Start a local Ray (`address` None and no `$RAY_ADDRESS`), or connect to the cluster at the address once it
+    answers (`wait_for_cluster`: RayUnreachable after `CLUSTER_WAIT_S`), with worker logs kept off the console.
 
     Returns (whether we started it, the runtime env the workers need). The user's modules from the
     submit directory (models, datasets, losses, metrics) are shipped to every node as job-level
@@ -31,6 +95,8 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
             return False, None
         directories = dict.fromkeys(str(source.parent) for source in module_sources)
         return False, {"env_vars": {"PYTHONPATH": os.pathsep.join(directories)}}
+    address = ray_address(address)
+    wait_for_cluster(address)
     runtime_env = {"py_modules": [str(source) for source in module_sources]} if module_sources else None
     # Ray Train's controller takes a worker's report only once per health check (2 s by default) and a
     # worker holds one untaken report at most: with reports more frequent than that, training waits
@@ -58,6 +124,33 @@ class RayStart:
     """Why Ray could not be had (an Exception), or the Ctrl-C / SIGTERM that came while it started."""
     previous_sigterm: object = None
     """The SIGTERM handler before submit's own was installed again over Ray's (restored at the end)."""
+    trainer: object = None
+    """The run's trainer once built (`launch.build_trainer`): its Ray Train controller, once `fit()` made it."""
+
+    def stop_training(self) -> None:
+        """Kill the run's Ray Train controller, now: its workers go with it (Ray ends the actors an actor created
+        when it dies), stuck or not. For an interrupt; the driver then closes the run and `release`s Ray."""
+        import ray
+
+        controller = getattr(self.trainer, "controller", None)
+        if controller is not None and ray.is_initialized():
+            try:
+                ray.kill(controller, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already; the driver's exit ends the job's actors anyway
+                pass
+
+    def release(self) -> None:
+        """The SIGTERM handler as it was, and Ray shut down if this run started it. Only once the run is closed:
+        until then its writer reads the relay through Ray, and a Ray call after `ray.shutdown()` would start a new
+        local Ray (Ray initialises itself on use)."""
+        import ray
+
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            self.previous_sigterm = None
+        if self.started:
+            self.started = False
+            ray.shutdown()
 
 
 def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStart:
@@ -71,7 +164,8 @@ def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStar
         start.started, start.worker_runtime_env = init_ray(address, module_sources)
     except BaseException as exc:
         # SIGTERM during ray.init meets the handler Ray installed first, which exits with the signal's number
-        start.error = Interrupted(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM else exc
+        start.error = interrupted_by(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM \
+            else exc
         start.started = not found_running and ray.is_initialized()
     start.previous_sigterm = interrupt_on_sigterm()
     return start

@@ -1,17 +1,20 @@
 """What data a run trained and evaluated on, as MLflow dataset inputs (the run's "Datasets" in the UI).
 
 Described on the driver from the datasets pre-flight builds anyway: a name, where the data comes from,
-a digest, the number of samples and one sample's input and target shapes. The digest covers the
-size and the first `DIGEST_SAMPLES` samples read as training reads them (random augmentation under a
-fixed seed), so the same data gives the same digest and changed data a different one without reading
-a whole dataset on the driver.
+a digest, the number of samples and the inputs' and target's dtypes and shapes (from the first batch
+pre-flight collated, or an `(input, target)` sample). The digest covers the size and the first
+`DIGEST_SAMPLES` samples, whatever their structure, read as training reads them (random augmentation
+under a fixed seed), so the same data gives the same digest and changed data a different one without
+reading a whole dataset on the driver.
 """
 
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -34,9 +37,13 @@ class DatasetLineage:
     """MLflow's JSON source: {"uri": directory} for files, {"tags": {...}} for code."""
     num_samples: int
     input_shape: list[int]
+    """The first input's shape, without the batch dim."""
     input_dtype: str
     target_shape: list[int]
-    target_dtype: str
+    target_dtype: Optional[str]
+    """None when the target is not a tensor (a dict of boxes and labels, ...)."""
+    inputs: tuple = ()
+    """Every input as (name or None for a positional one, dtype, shape without the batch dim)."""
 
 
 def _source(data_cfg) -> tuple[str, str]:
@@ -47,29 +54,68 @@ def _source(data_cfg) -> tuple[str, str]:
     return "local", json.dumps({"uri": str(Path(data_cfg.root).resolve())})
 
 
-def _tensor(value: Any) -> torch.Tensor:
-    return torch.as_tensor(value)
+def _digest_update(digest, value: Any) -> None:
+    """Add a sample's content to the digest, whatever its structure (tensors, arrays, numbers, text, nested)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            digest.update(str(key).encode())
+            _digest_update(digest, item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _digest_update(digest, item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        _digest_update(digest, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    elif isinstance(value, (str, bytes)):
+        digest.update(value.encode() if isinstance(value, str) else value)
+    else:
+        try:
+            part = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            digest.update(type(value).__name__.encode())
+            return
+        digest.update(str(part.dtype).encode() + str(tuple(part.shape)).encode())
+        digest.update(part.detach().cpu().contiguous().numpy().tobytes())
 
 
-def describe(data_cfg, datasets: Sequence[tuple[str, Any]]) -> list[DatasetLineage]:
-    """The lineage of each (context, dataset) pair of the job's data section."""
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _parts(first_sample: Any, batch: Any) -> tuple[tuple, list[int], Optional[str]]:
+    """(inputs, target shape, target dtype): from the first batch when given (shapes without its batch dim), else
+    from an (input, target) sample."""
+    if batch is not None:
+        inputs = tuple((name, _dtype(value), list(value.shape[1:])) for name, value in batch.inputs()
+                       if isinstance(value, torch.Tensor))
+        target = batch.targets if isinstance(batch.targets, torch.Tensor) else None
+        return inputs, (list(target.shape[1:]) if target is not None else []), \
+            (_dtype(target) if target is not None else None)
+    try:
+        value, target = (torch.as_tensor(part) for part in first_sample)
+    except (TypeError, ValueError, RuntimeError):
+        return (), [], None
+    return ((None, _dtype(value), list(value.shape)),), list(target.shape), _dtype(target)
+
+
+def describe(data_cfg, datasets: Sequence[tuple[str, Any]], batches: Sequence[Any] = ()) -> list[DatasetLineage]:
+    """The lineage of each (context, dataset) pair of the job's data section; `batches`: a first `Batch` of each
+    (or None), whose inputs give the dtypes and shapes."""
     source_type, source = _source(data_cfg)
     described = []
-    for context, dataset in datasets:
+    for position, (context, dataset) in enumerate(datasets):
         digest = hashlib.sha256(f"{data_cfg.name}:{len(dataset)}".encode())
         first = None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # a random augmentation reads the same every time
             for index in range(min(DIGEST_SAMPLES, len(dataset))):
-                inputs, targets = (_tensor(part) for part in dataset[index])
-                first = first or (inputs, targets)
-                for part in (inputs, targets):
-                    digest.update(str(part.dtype).encode() + str(tuple(part.shape)).encode())
-                    digest.update(part.detach().cpu().contiguous().numpy().tobytes())
-        inputs, targets = first if first is not None else (torch.empty(0), torch.empty(0))
+                sample = dataset[index]
+                first = sample if first is None else first
+                _digest_update(digest, sample)
+        batch = batches[position] if position < len(batches) else None
+        inputs, target_shape, target_dtype = _parts(first, batch) if first is not None or batch else ((), [], None)
+        _, input_dtype, input_shape = inputs[0] if inputs else (None, "float32", [])
         described.append(DatasetLineage(
             name=data_cfg.name, context=context, digest=digest.hexdigest()[:8], source_type=source_type,
-            source=source, num_samples=len(dataset), input_shape=list(inputs.shape),
-            input_dtype=str(inputs.dtype).removeprefix("torch."), target_shape=list(targets.shape),
-            target_dtype=str(targets.dtype).removeprefix("torch.")))
+            source=source, num_samples=len(dataset), input_shape=input_shape, input_dtype=input_dtype,
+            target_shape=target_shape, target_dtype=target_dtype, inputs=inputs))
     return described

@@ -2,8 +2,11 @@
 
 Every string ampflow logs to MLflow (params, tags, the resolved config, JSON artifacts) or prints
 goes through `redact()`: the value of any environment variable whose name says it is a secret
-(`*TOKEN*`, `*PASSWORD*`, `*SECRET*`, `*API_KEY*`, ...) becomes `***`, and so does the password of
-a URI's `user:password@`. A job can therefore use `${oc.env:...}` for credentials safely.
+(`*TOKEN*`, `*PASSWORD*`, `*SECRET*`, `*API_KEY*`, `*_KEY`, `*_DSN`, `*_CONNECTION_STRING`, ...) becomes
+`***`, and so do the password of a URI's `user:password@`, a URI's userinfo without a password
+(`https://TOKEN@host`: a bare token) and the values of a connection string's secret fields
+(`AccountKey=`, `SharedAccessSignature=`, `Password=`, ...), wherever they come from. A job can
+therefore use `${oc.env:...}` for credentials safely.
 
 What other code prints (MLflow's own "View run ... at: <tracking URI>" line, library log records,
 tracebacks) is redacted once `install_console_redaction()` has run in the process.
@@ -16,13 +19,26 @@ import sys
 import threading
 from typing import Any, Mapping, Optional
 
-SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
+SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|CONNECTION_STRING"
+                         r"|_KEY$|(?:^|_)DSN$", re.I)
 # A value this long is masked wherever it appears; a shorter one only where it stands alone (not inside a
 # longer word or number), so a secret "pw1" masks `experiment: pw1` but not "pw123" or "apw1".
 MIN_ANYWHERE_LENGTH = 6
 # Switches, not credentials: TOKENIZERS_PARALLELISM=false would otherwise blank every "false" in a config.
 NOT_SECRETS = frozenset({"0", "1", "true", "false", "yes", "no", "on", "off", "none", "null"})
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+# Userinfo without a password is a bare token as often as a user name (`https://ghp_xxx@github.com/...`).
+_BARE_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<token>[^:/@\s]+)@")
+# A key naming a secret, in `key=value` (a connection string's `AccountKey=...;`, `SharedAccessSignature=`,
+# ODBC's `Password=` / `Pwd=`, `access_token=`, `X-Amz-Signature=`, a SAS URL's `sig=`, an override
+# `data.kwargs.storage_key=...`), `key: value` (YAML) or a mapping's key (params, JSON): its value is masked.
+_SECRET_KEY = (r"[A-Za-z0-9_.-]*?(?:AccountKey|AccessKey|SecretKey|ApiKey|_KEY|SharedAccessSignature|Password|Passwd"
+               r"|Pwd|Secret|Token|Signature|Credentials?|DSN|Connection_?String)")
+_SECRET_FIELD = re.compile(rf"(?<![A-Za-z0-9_.-])(?P<key>{_SECRET_KEY}|sig)(?P<equals>\s*=\s*)(?P<value>[^;&\s'\",]+)",
+                           re.I)
+_SECRET_YAML_FIELD = re.compile(rf"^(?P<key>[ \t]*(?:- )?{_SECRET_KEY})(?P<equals>:[ \t]+)(?P<value>[^\s#].*?)[ \t]*$",
+                                re.I | re.M)
+_SECRET_KEY_NAME = re.compile(_SECRET_KEY, re.I)
 MASK = "***"
 
 
@@ -47,6 +63,9 @@ def redact_all(value: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
 
 def _masked(text: str, secrets: list[str]) -> str:
     text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    text = _BARE_USERINFO.sub(lambda m: m[0] if m["token"] == MASK else f"{m['scheme']}{MASK}@", text)
+    text = _SECRET_FIELD.sub(_masked_field, text)
+    text = _SECRET_YAML_FIELD.sub(_masked_field, text)
     for value in secrets:
         if len(value) >= MIN_ANYWHERE_LENGTH:
             text = text.replace(value, MASK)
@@ -55,11 +74,28 @@ def _masked(text: str, secrets: list[str]) -> str:
     return text
 
 
+def _masked_field(match: re.Match) -> str:
+    if not _is_secret_value(match["value"]):
+        return match[0]
+    return f"{match['key']}{match['equals']}{MASK}"
+
+
+def _is_secret_value(value: str) -> bool:
+    """Not a switch (`use_token=false`), an empty value or one masked already."""
+    return value.strip("'\"").lower() not in NOT_SECRETS | {"", "~", MASK}
+
+
+def _names_a_secret(key: Any) -> bool:
+    """A mapping key (a flattened param's last part) that names a secret: `storage_key`, `db_password`, `dsn`."""
+    return isinstance(key, str) and _SECRET_KEY_NAME.fullmatch(key.rsplit(".", 1)[-1]) is not None
+
+
 def _masked_all(value: Any, secrets: list[str]) -> Any:
     if isinstance(value, str):
         return _masked(value, secrets)
     if isinstance(value, dict):
-        return {_masked_all(k, secrets): _masked_all(v, secrets) for k, v in value.items()}
+        return {_masked_all(k, secrets): MASK if _names_a_secret(k) and isinstance(v, str) and _is_secret_value(v)
+                else _masked_all(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_masked_all(v, secrets) for v in value)
     return value

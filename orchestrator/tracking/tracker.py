@@ -230,17 +230,19 @@ class RunTracker:
         return Path(local).read_text()
 
     def load_model(self):
-        """The run's fp32 model (`model`) as logged at the end of training (a pt2 program or a module)."""
+        """The run's fp32 model (`model`) as logged at the end of training: its pt2 program, loaded without
+        unpickling anything (`orchestrator.tracking.model_files`); BadInput when it has none."""
         import mlflow
 
         from orchestrator.errors import BadInput
+        from orchestrator.tracking.model_files import load_pt2_model
 
-        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_tracking_uri(self.uri)  # `models:/` URIs resolve through the global tracking URI
         models = self._client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'")
         fp32 = [m for m in models if m.name == "model"]
         if not fp32:
             raise BadInput(f"run {self.run_id} has no logged model 'model' (was tracking.log_model false?).")
-        return mlflow.pytorch.load_model(fp32[0].model_uri, map_location="cpu")
+        return load_pt2_model(fp32[0].model_uri, f"run {self.run_id}'s logged model 'model'")
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -264,17 +266,29 @@ class RunTracker:
         from mlflow.types import Schema, TensorSpec
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-        def spec(dtype: str, shape: list[int]) -> Schema:
-            return Schema([TensorSpec(np.dtype(dtype), (-1, *shape))])
+        def spec(dtype: str, shape: list[int], name: Optional[str] = None) -> TensorSpec:
+            return TensorSpec(np.dtype(dtype), (-1, *shape), name)
 
         inputs = []
         for d in datasets:
-            schema = TensorDatasetSchema(spec(d.input_dtype, d.input_shape), spec(d.target_dtype, d.target_shape))
+            named = len(d.inputs) > 1 or any(name is not None for name, _, _ in d.inputs)
+            features = Schema([spec(dtype, shape, (name or f"input_{i}") if named else None)
+                               for i, (name, dtype, shape) in enumerate(d.inputs)] or [spec("float32", [])])
+            targets = Schema([spec(d.target_dtype, d.target_shape)]) if d.target_dtype is not None else None
+            schema = TensorDatasetSchema(features, targets)
             profile = {"num_samples": d.num_samples, "sample_shape": d.input_shape}
             entity = Dataset(d.name, d.digest, d.source_type, redact(d.source), json.dumps(schema.to_dict()),
                              json.dumps(profile))
             inputs.append(DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, d.context)]))
         self._client.log_inputs(self.run_id, datasets=inputs)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """More params (new keys: MLflow refuses to change a param's value)."""
+        from mlflow.entities import Param
+
+        items = [Param(key, str(value)) for key, value in redact_all(params).items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self._client.log_batch(self.run_id, params=items[i : i + 100])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Several tags in one batch; values as text, cut to MLflow's 5000 characters."""
@@ -294,30 +308,25 @@ class RunTracker:
         """A matplotlib figure as an image artifact (the caller closes the figure)."""
         self._client.log_figure(self.run_id, figure, artifact_path)
 
-    def log_model(self, model, input_example, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
-        """Log the fp32 model as the run's MLflow model `model`; returns the format used.
+    def log_model(self, model, inputs, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
+        """Log the model as the run's MLflow model `name`, taking `inputs` (`logged_model.ModelInputs`: names,
+        dtypes and an example from a real batch); returns the format used.
 
         pt2 (torch.export, loads without unpickling code) when the model exports; otherwise the
-        pickled module with its custom code shipped alongside.
+        pickled module with its custom code shipped alongside. Both with ampflow's pyfunc.
         """
         import mlflow
         import torch
         import torchvision
+
+        from orchestrator.tracking.logged_model import log_model
 
         mlflow.set_tracking_uri(self.uri)
         requirements = [f"torch=={torch.__version__.split('+')[0]}",
                         f"torchvision=={torchvision.__version__.split('+')[0]}"]
         with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
             warnings.simplefilter("ignore")  # signature inference chatter
-            try:
-                mlflow.pytorch.log_model(model, name=name, pip_requirements=requirements,
-                                         input_example=input_example, serialization_format="pt2")
-                return "pt2"
-            except Exception as exc:
-                logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
-            mlflow.pytorch.log_model(model, name=name, pip_requirements=requirements, code_paths=code_paths,
-                                     input_example=input_example, serialization_format="pickle")
-            return "pickle"
+            return log_model(model, inputs, name, code_paths, requirements)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -330,6 +339,9 @@ class RunTracker:
         histories = {key: self.metric_history(key) for key in self._client.get_run(self.run_id).data.metrics}
         return ({key: max(m.step for m in history) for key, history in histories.items()},
                 {key: max(m.timestamp for m in history) for key, history in histories.items()})
+
+    def tags(self) -> dict[str, str]:
+        return dict(self._client.get_run(self.run_id).data.tags)
 
     def run_info(self):
         """The run's MLflow `RunInfo`: status, start_time and end_time (ms), names."""

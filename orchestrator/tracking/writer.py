@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from orchestrator.tracking.tables import RENDERED
 from orchestrator.train.report import Report
 
 logger = logging.getLogger("ampflow.tracking")
@@ -28,6 +29,9 @@ OVERFLOW_LOG = "amp/overflow_log.json"
 
 LOGGED_EVERY_S = 2.0
 """How often, at most, the writer tells storage how far it has logged (`on_logged`)."""
+
+RELAY_TIMEOUT_S = 30.0
+"""How long one read of the report relay may take (a busy cluster answers slowly)."""
 
 
 def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -78,13 +82,19 @@ class MlflowWriter:
         return self
 
     def close(self, timeout_s: float) -> int:
-        """Stop the thread, take the last reports, and flush for up to `timeout_s`; returns records left unsent."""
+        """Stop the thread, take the last reports, and flush, each for up to `timeout_s`; returns records left
+        unsent. Call it while Ray is up: the last reports are read from the relay."""
         self._stop.set()
         if self._thread.ident is not None:  # started
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():  # stuck in a call to MLflow or Ray: what it holds cannot be taken safely
+                unsent = sum(kind != "logged" for kind, _ in self.pending)
+                print(f"error: the MLflow writer did not stop within {timeout_s:g}s; {unsent} record(s) it held "
+                      "are lost.", file=sys.stderr)
+                return unsent
         try:
-            self._drain()
-        except Exception as exc:  # the relay went down with Ray (an interrupt): log what was taken already
+            self._drain(timeout_s=min(RELAY_TIMEOUT_S, timeout_s))
+        except Exception as exc:  # the relay went down with the workers (an interrupt): log what was taken already
             logger.warning("ampflow: the last reports could not be read from the relay (%s).", exc)
         deadline = time.monotonic() + timeout_s
         while not self._flush(force=True) and time.monotonic() < deadline:
@@ -118,8 +128,10 @@ class MlflowWriter:
 
     # -- reports -> records -----------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        reports, lines = ray.get(self.relay.take.remote(), timeout=30)
+    def _drain(self, timeout_s: float = RELAY_TIMEOUT_S) -> None:
+        if not ray.is_initialized():  # shut down: any Ray call would start a new local Ray (Ray's auto-init)
+            raise RuntimeError("Ray is shut down")
+        reports, lines = ray.get(self.relay.take.remote(), timeout=timeout_s)
         for report in reports:
             self.enqueue(report)
         self.printed.extend(lines)
@@ -141,6 +153,11 @@ class MlflowWriter:
             self.pending.append(("tags", report.tags))
         for name, value in report.tables.items():
             self.pending.append(("json", (f"{name}.json", value)))
+            if name in RENDERED:  # a page the UI renders, beside the JSON
+                path, render, summarize = RENDERED[name]
+                self.pending.append(("text", (f"{path}.html", render(value))))
+                if summarize is not None:
+                    self.pending.append(("json", (f"{path}.json", summarize(value))))
         if report.overflow_records:
             self.pending.append(("overflow", report.overflow_records))
         for warning in report.warnings:
@@ -195,6 +212,9 @@ class MlflowWriter:
         elif kind == "json":
             path, value = payload
             self.tracker.log_dict(value, path)
+        elif kind == "text":
+            path, text = payload
+            self.tracker.log_text(text, path)
         elif kind == "overflow":
             known = {json.dumps(record, sort_keys=True) for record in self.overflow_log}
             fresh = [record for record in payload if json.dumps(record, sort_keys=True) not in known]

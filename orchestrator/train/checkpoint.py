@@ -3,7 +3,9 @@ adapter hands the directory to Ray Train (`orchestrator.runner.worker`), a Ray-f
 
 A checkpoint directory holds, from every rank r that reported it:
 - `train_state.pt` (rank 0): the shared part of the `TrainState` (fp32 weights, optimizer, scaler,
-  schedule, counters, position, the effective precision policy, the MLflow run id);
+  schedule, counters, position, layout, the effective precision policy, the MLflow run id);
+- `ampflow_checkpoint.json` (rank 0): what the driver needs to check a resume before Ray starts
+  (`orchestrator.train.resume.CheckpointFacts`: position, layout, the model's shapes, precision);
 - `rank<r>.pt`: that rank's RNG states and its unreported loss window;
 - `manifest_rank<r>.json`: the SHA-256 of each of those files, written last.
 A checkpoint is valid for a rank only when rank 0's and its own manifest exist and every file
@@ -27,6 +29,11 @@ import torch
 from orchestrator.train.state import IncompatibleCheckpoint, TrainState
 
 STATE_FILE = "train_state.pt"
+FACTS_FILE = "ampflow_checkpoint.json"
+
+
+class NonFiniteState(RuntimeError):
+    """A checkpoint was due, but the train state is not finite on some rank: nothing was written."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -66,12 +73,17 @@ def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) ->
 
 
 def write_checkpoint_files(directory: Path, rank: int, shared: Optional[dict[str, Any]], own: dict[str, Any],
-                           save: Callable[[Any, Path], None] = torch.save) -> None:
-    """This rank's files (and `shared` = train_state.pt on rank 0), then the manifest that vouches for them."""
+                           save: Callable[[Any, Path], None] = torch.save,
+                           facts: Optional[dict[str, Any]] = None) -> None:
+    """This rank's files (and on rank 0 `shared` = train_state.pt and `facts` = ampflow_checkpoint.json), then
+    the manifest that vouches for them."""
     written = {}
     if shared is not None:
         _save_atomically(shared, directory / STATE_FILE, save)
         written[STATE_FILE] = _sha256(directory / STATE_FILE)
+    if facts is not None:
+        _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
+        written[FACTS_FILE] = _sha256(directory / FACTS_FILE)
     _save_atomically(own, directory / rank_file(rank), save)
     written[rank_file(rank)] = _sha256(directory / rank_file(rank))
     (directory / manifest_file(rank)).write_text(json.dumps(written))
@@ -121,7 +133,8 @@ def _alive(pid: int) -> bool:
 
 @contextmanager
 def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str, Any], step: int,
-                      save: Callable[[Any, Path], None] = torch.save) -> Iterator[Path]:
+                      save: Callable[[Any, Path], None] = torch.save,
+                      facts: Optional[dict[str, Any]] = None) -> Iterator[Path]:
     """Write this rank's part of a checkpoint to a temporary directory and yield it (to be reported).
 
     A failed write (ENOSPC, I/O error) removes the temporary directory and raises
@@ -129,7 +142,7 @@ def staged_checkpoint(rank: int, shared: Optional[dict[str, Any]], own: dict[str
     """
     with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-") as tmp:
         try:
-            write_checkpoint_files(Path(tmp), rank, shared, own, save)
+            write_checkpoint_files(Path(tmp), rank, shared, own, save, facts)
         except OSError as exc:
             raise write_failure(exc, f"the checkpoint of step {step} on rank {rank}") from exc
         yield Path(tmp)

@@ -22,3 +22,13 @@ def per_rank(value: float, rank: int, world_size: int, device: torch.device) -> 
 def all_agree(ok: bool, device: torch.device) -> bool:
     """Whether `ok` holds on every rank."""
     return all_reduce([float(ok)], device, op=dist.ReduceOp.MIN)[0] == 1.0
+
+
+def all_gather(value, world_size: int) -> list:
+    """Every rank's `value` (any picklable object), in rank order; for the rare paths that need more than
+    numbers (a failure's description on each rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+        return [value]
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -14,7 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.config.names import TORCHVISION_DATASETS, check_dataset_name
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train import vision
+from orchestrator.train.batch import Batches, BatchLayout
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 DIGITS_SPLIT_SEED = 0  # the digits split is fixed, whatever the job's seed
@@ -196,18 +197,37 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def collate_fn(data_cfg, dataset: Dataset) -> Optional[Callable[[list], Any]]:
+    """How a list of samples becomes a batch: `data.collate`, else the dataset's own `collate_fn` attribute, else
+    None (torch's default_collate)."""
+    if data_cfg.collate is not None:
+        return resolve_import_path(data_cfg.collate, "data.collate", kind="collate function")
+    own = getattr(dataset, "collate_fn", None)
+    return own if callable(own) else None
+
+
+def collate_source(data_cfg, dataset: Dataset) -> str:
+    """Where the collate function of `dataset` comes from, as a message names it."""
+    if data_cfg.collate is not None:
+        return f"data.collate ({data_cfg.collate})"
+    if collate_fn(data_cfg, dataset) is not None:
+        return f"the collate_fn of data.name {data_cfg.name}'s {type(dataset).__name__}"
+    return f"torch's default_collate (data.collate is null and {type(dataset).__name__} has no collate_fn)"
+
+
 def build_loaders(
     train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
-    loader_workers: int, pin_memory: bool,
+    loader_workers: int, pin_memory: bool, collate: tuple[Optional[Callable], Optional[Callable]] = (None, None),
 ) -> tuple[DataLoader, DataLoader, ResumableSampler]:
-    """Per-rank DataLoaders; call `position.set_position(epoch, batches_done, batch_size)` each epoch."""
+    """Per-rank DataLoaders (`collate`: the train and eval sets' collate functions, None for torch's default);
+    call `position.set_position(epoch, batches_done, batch_size)` each epoch."""
     train_sampler = train_shard(train, rank, world_size, seed)
     # Own generators: creating an iterator must not draw from the global RNG, or a resumed run
     # would see a different global RNG state than the uninterrupted one.
     common = dict(batch_size=batch_size, num_workers=loader_workers, pin_memory=pin_memory,
                   persistent_workers=loader_workers > 0, generator=torch.Generator().manual_seed(seed + rank))
-    train_loader = DataLoader(train, sampler=train_sampler, drop_last=False, **common)
-    test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), **common)
+    train_loader = DataLoader(train, sampler=train_sampler, drop_last=False, collate_fn=collate[0], **common)
+    test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), collate_fn=collate[1], **common)
     return train_loader, test_loader, train_sampler
 
 
@@ -227,7 +247,8 @@ class DeviceSplit:
     images: torch.Tensor
     labels: torch.Tensor
     mean_std: Optional[tuple[Sequence[float], Sequence[float]]] = None
-    """Per-channel normalisation applied per batch after augmentation (uint8 images are scaled to 0..1 first)."""
+    """Images stored as uint8 0..255, scaled to 0..1 and normalised per channel per batch after augmentation
+    (CIFAR-10's); None: the tensors are served as they are, any dtype (token ids stay int64)."""
     augment: bool = False
     """CIFAR-10's training augmentation: random crop with 4 pixels of zero padding, and horizontal flip."""
 
@@ -235,19 +256,30 @@ class DeviceSplit:
         return DeviceSplit(self.images.to(device), self.labels.to(device), self.mean_std, self.augment)
 
 
+def device_refusal(dataset: Dataset) -> Optional[str]:
+    """Why `data.loader: device` cannot hold `dataset` (None when it can): it takes (inputs, targets) tensors."""
+    if isinstance(dataset, TensorDataset):
+        if len(dataset.tensors) == 2:
+            return None
+        return f"a TensorDataset of {len(dataset.tensors)} tensors (it takes two: inputs and targets)"
+    from torchvision.datasets import CIFAR10
+
+    return None if isinstance(dataset, CIFAR10) else f"a {type(dataset).__name__}"
+
+
 def device_split(dataset: Dataset, *, augment: bool) -> DeviceSplit:
     """The tensors behind a dataset this module built: a TensorDataset (digits, synthetic) or torchvision's CIFAR10."""
     if isinstance(dataset, RepeatedSamples):  # on the device, as many rows as samples (the loader slices them)
         rows = torch.arange(len(dataset)) % len(dataset.tensors[0])
         return DeviceSplit(dataset.tensors[0][rows], dataset.tensors[1][rows])
-    if isinstance(dataset, TensorDataset):
+    if isinstance(dataset, TensorDataset) and device_refusal(dataset) is None:
         return DeviceSplit(dataset.tensors[0], dataset.tensors[1])
     from torchvision.datasets import CIFAR10
 
     if isinstance(dataset, CIFAR10):  # .data is N x 32 x 32 x 3 uint8: kept as uint8 on the device (4x smaller)
         images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
         return DeviceSplit(images, torch.tensor(dataset.targets, dtype=torch.long), (CIFAR_MEAN, CIFAR_STD), augment)
-    raise BadInput(f"data.loader: device cannot hold a {type(dataset).__name__}; use data.loader: dataloader.")
+    raise BadInput(f"data.loader: device cannot hold {device_refusal(dataset)}; use data.loader: dataloader.")
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
@@ -299,7 +331,7 @@ class DeviceLoader:
 
     def _batch(self, indices: torch.Tensor, number: int) -> tuple[torch.Tensor, torch.Tensor]:
         images = self.split.images.index_select(0, indices)
-        if images.dtype == torch.uint8:
+        if self.split.mean_std is not None:
             images = images.float().div_(255)
         if self.split.augment:
             self.generator.manual_seed(hash((self.seed, self.rank, self.epoch, number)) & (2**63 - 1))
@@ -321,12 +353,18 @@ def build_device_loaders(
     return train_loader, eval_loader, train_loader
 
 
-def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device):
-    """One rank's (train loader, eval loader, position) as the job's `data` section asks: the train loader's
-    `position.set_position(epoch, batches_done, batch_size)` starts an epoch where a checkpoint left off."""
+def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device) -> tuple[Batches, Batches, Any]:
+    """One rank's (train batches, eval batches, position) as the job's `data` and `task` sections ask: each loader
+    yields `Batch`es, and the train loader's `position.set_position(epoch, batches_done, batch_size)` starts an
+    epoch where a checkpoint left off."""
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed)
     if cfg.data.loader == "device":  # the whole dataset on the device: batches are slices, no copies per step
-        return build_device_loaders(train_set, eval_set, augment=cfg.data.augment, device=device, **shard)
-    return build_loaders(train_set, eval_set, loader_workers=cfg.data.loader_workers,
-                         pin_memory=device.type == "cuda", **shard)
+        train, evaluation, position = build_device_loaders(train_set, eval_set, augment=cfg.data.augment,
+                                                           device=device, **shard)
+    else:
+        train, evaluation, position = build_loaders(
+            train_set, eval_set, loader_workers=cfg.data.loader_workers, pin_memory=device.type == "cuda",
+            collate=(collate_fn(cfg.data, train_set), collate_fn(cfg.data, eval_set)), **shard)
+    layout = BatchLayout.from_task(cfg.task)
+    return Batches(train, layout), Batches(evaluation, layout), position

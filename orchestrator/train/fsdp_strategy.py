@@ -122,11 +122,12 @@ class FsdpStrategy:
         fsdp.load_full_state_dict(self.model, state)
 
     def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int) -> AbstractContextManager[Path]:
-        """This rank's part of a checkpoint (the shards, and `shared` on rank 0, `own` on every rank) in a staging
-        directory to report. A collective."""
+                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
+                          ) -> AbstractContextManager[Path]:
+        """This rank's part of a checkpoint (the shards, and `shared` and `facts` on rank 0, `own` on every rank) in
+        a staging directory to report. A collective."""
         return sharded_checkpoint.staged_sharded_checkpoint(self.rank, self.world_size, self.model, optimizer,
-                                                            shared, own, step)
+                                                            shared, own, step, facts)
 
     def load_newest_valid(self, candidates: Sequence[Candidate], optimizer: torch.optim.Optimizer,
                           agree: Optional[Callable[[bool], bool]] = None):
@@ -139,5 +140,5 @@ class FsdpStrategy:
     # -- memory ----------------------------------------------------------------------------------------------
 
     def memory(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, dict[str, int]]:
-        """This rank's bytes of parameters, gradients and optimizer state (`memory/<category>/<dtype>`)."""
+        """This rank's bytes of parameters, gradients and optimizer state (`memory/<category>_<dtype>_bytes`)."""
         return fsdp_memory.rank_bytes(self.model, optimizer)

@@ -3,8 +3,10 @@
 `TrainingLoop(cfg, session)` builds everything it uses: the data shards, the newest checkpoint every
 rank can read, the model under its precision with its optimizer and schedule, the loss window and the
 hooks. `run()` then trains: each epoch is steps (`train_step`), a report every
-`tracking.log_every_n_steps` steps and a mid-epoch checkpoint every `checkpoint.every_n_steps`, then
-`end_epoch` (evaluation, the epoch's report, a checkpoint; early stopping may end the run there).
+`tracking.log_every_n_steps` steps, an evaluation every `run.eval_every_n_steps` and a mid-epoch checkpoint
+every `checkpoint.every_n_steps` (each in that step's report), then `end_epoch` (evaluation, the epoch's
+report, a checkpoint; early stopping may end the run there). A checkpoint is staged only once every rank found
+its state finite, and an epoch whose every step was skipped ends the run failed.
 
 Everything else happens in hooks (`orchestrator.train.hooks`): the precision audit, the memory ledger,
 the loss-scale telemetry, collapse recovery, system metrics, the replay outbox, and the job's own
@@ -15,17 +17,19 @@ checkpoints exist to resume from. Ray Train's worker (`orchestrator.runner.worke
 
 import itertools
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from omegaconf import OmegaConf
 
+from orchestrator.precision import NothingTrained
 from orchestrator.train import rng
+from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
-from orchestrator.train.checkpoint import Candidate, dir_name, remove_stale_staging
-from orchestrator.train.collectives import all_reduce
+from orchestrator.train.checkpoint import Candidate, NonFiniteState, dir_name, remove_stale_staging
+from orchestrator.train.collectives import all_agree, all_gather, all_reduce
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.evaluate import evaluate
@@ -38,8 +42,9 @@ from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
-from orchestrator.train.report import Report
+from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.optim import should_step_schedule
+from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
@@ -94,16 +99,17 @@ class TrainingLoop:
         # `run.accumulate_steps` batches of it.
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
-        self.steps_per_epoch = len(self.train_loader) // cfg.run.accumulate_steps
-        if cfg.run.max_steps_per_epoch is not None:
-            self.steps_per_epoch = min(self.steps_per_epoch, cfg.run.max_steps_per_epoch)
-        self.total_steps = self.steps_per_epoch * cfg.run.epochs
+        # Both loaders walk a DistributedSampler over the training set.
+        self.layout = Layout.of(cfg, len(self.train_loader.sampler.dataset), self.world_size)
+        self.steps_per_epoch = self.layout.steps_per_epoch
 
-        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), and the model under
-        # its precision and strategy, the optimizer, the schedule and the loss scaler, built from it.
+        # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
+        # under this job (or IncompatibleResume), and the model under its precision and strategy, the optimizer,
+        # the schedule and the loss scaler, built from it (`build_resumed`).
+        self.total_steps, self.resumed = self.layout.total_steps, None
         self.attempt = int(all_reduce([time.time() * 1000 if self.rank == 0 else 0.0], self.device)[0])
         state, self.resume_warnings, self.training = resume(cfg, session.checkpoints(), self.rank, self.world_size,
-                                                            self.device, self.build)
+                                                            self.device, self.build_resumed)
         self.window = Window(self.device)
         stopping = cfg.run.early_stopping
         self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
@@ -117,10 +123,11 @@ class TrainingLoop:
 
         self.global_step, self.seq = 0, 0
         """Optimizer steps taken (skipped ones included), and reports made, in the run so far."""
-        self.sample_shape: list[int] = []
-        """One training input's shape (from the first batch), kept in checkpoints for the logged model."""
+        self.input_example = InputExample()
+        """The first batch's inputs and the dims that vary between batches, kept in checkpoints for the logged
+        model's signature and example."""
         self.checkpoint_report: Optional[dict[str, Any]] = None
-        self.start_epoch, self.start_batches = self.resume(state)
+        self.start_epoch, self.start_batches = self.resume(state, self.resumed)
 
     # -- training -----------------------------------------------------------------------------------
 
@@ -131,8 +138,10 @@ class TrainingLoop:
             if self.checkpoint_report is not None:  # a resumed run first sends again what may not be logged
                 self.session.report(self.outbox.resent(self, self.checkpoint_report, self.resume_warnings).to_wire())
             self.train()
-        finally:
-            self.hooks.call("teardown", self)
+        except BaseException:
+            self.hooks.call_every("teardown", self)  # every hook's; the error that ended training is raised
+            raise
+        self.hooks.call("teardown", self)
         return self.training
 
     def train(self) -> None:
@@ -145,11 +154,15 @@ class TrainingLoop:
                 self.global_step += 1
                 self.train_step(Step(self.global_step, epoch, index, batches))
                 log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
-                if log_due or self.checkpoint_due(index):
+                eval_due = self.due_mid_epoch(cfg.run.eval_every_n_steps, index)
+                checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index)
+                if log_due or eval_due or checkpoint_due:
                     report = self.new_report(epoch)
                     if log_due:
                         report.metrics.update(self.read_window())
-                    self.send(report, (epoch, index + 1) if self.checkpoint_due(index) else None)
+                    if eval_due:
+                        report.metrics.update(self.evaluation())
+                    self.send(report, (epoch, index + 1) if checkpoint_due else None)
             if self.end_epoch(epoch):  # early stopping: the run ends here, finished
                 break
 
@@ -157,7 +170,8 @@ class TrainingLoop:
         """One optimizer step with its hooks, the schedule, the loss window and (`perf.compile`) compilation."""
         self.hooks.call("before_step", self, step)
         accumulated_step(self.training, step, self.device, lambda s: self.hooks.call("after_backward", self, s))
-        self.sample_shape = self.sample_shape or list(step.batches[0][0].shape[1:])
+        for batch in step.batches:
+            self.input_example.observe(batch)
         if self.training.scheduler is not None and should_step_schedule(step.outcome):
             self.training.scheduler.step()
         if not step.outcome.nan_loss:
@@ -177,27 +191,37 @@ class TrainingLoop:
         if self.window.samples:
             report.metrics.update(self.read_window())
         stop = False
-        if last or (epoch + 1) % cfg.run.eval_every_n_epochs == 0:
-            report.metrics.update(evaluate(self.training, self.eval_loader, self.device))
+        every_n_steps = cfg.run.eval_every_n_steps
+        if (last or (epoch + 1) % cfg.run.eval_every_n_epochs == 0
+                or (every_n_steps is not None and self.global_step % every_n_steps == 0)):
+            report.metrics.update(self.evaluation())
             stop = not last and self.stopping is not None and self.stopping.should_stop(report.metrics)
-        self.hooks.call("end_epoch", self, report)
+        nothing_trained = self.training.precision.guard.nothing_trained(epoch + 1)  # before the hooks reset it
         if stop:
             report.tags["early_stopped_at_epoch"] = str(epoch + 1)
+        self.hooks.call("end_epoch", self, report)  # the run's last report: the last epoch's, or tagged as above
+        if nothing_trained is not None:  # the epoch's report goes out; the run cannot end as if it had trained
+            self.send(report)
+            raise NothingTrained(nothing_trained)
         checkpoint_due = last or stop or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
         self.send(report, (epoch, self.steps_per_epoch) if checkpoint_due else None)
         return stop
 
-    def checkpoint_due(self, index: int) -> bool:
-        """A mid-epoch checkpoint is due after step `index` of the epoch (the epoch's last step is checkpointed
-        after its evaluation, by `end_epoch`)."""
-        every = self.cfg.checkpoint.every_n_steps
+    def due_mid_epoch(self, every: Optional[int], index: int) -> bool:
+        """Whether something done `every` N steps (a checkpoint, an evaluation) is due after step `index` of the
+        epoch; never after its last step: `end_epoch` does it there."""
         return every is not None and self.global_step % every == 0 and index + 1 < self.steps_per_epoch
 
-    def read_window(self) -> dict[str, float]:
-        """The loss window, reduced over all ranks and reset; a non-finite loss there fails as configured."""
-        metrics = self.window.read()
-        self.training.precision.guard.check_loss_window(metrics["train/loss"], self.global_step)
+    def evaluation(self) -> dict[str, float]:
+        """`eval/*` over every rank's shard of the eval set; its time is left out of `perf/samples_per_s`."""
+        began = time.perf_counter()
+        metrics = evaluate(self.training, self.eval_loader, self.device)
+        self.window.exclude_since(began)
         return metrics
+
+    def read_window(self) -> dict[str, float]:
+        """The loss window, reduced over all ranks and reset (each step's loss was checked at its step)."""
+        return self.window.read()
 
     # -- reports and checkpoints --------------------------------------------------------------------
 
@@ -208,32 +232,57 @@ class TrainingLoop:
 
     def send(self, report: Report, checkpoint_at: Optional[tuple[int, int]] = None) -> None:
         """Number the report, let every hook add to it, and hand it over; with `checkpoint_at=(epoch,
-        batches_done)` every rank also stages and hands over its part of a checkpoint. The time it takes is left
-        out of `perf/samples_per_s`."""
+        batches_done)` every rank also stages and hands over its part of a checkpoint, once every rank found its
+        state finite: else the report goes alone and NonFiniteState is raised on every rank. The time it takes
+        is left out of `perf/samples_per_s`."""
         began = time.perf_counter()
+        not_finite = self.nonfinite_state() if checkpoint_at is not None else None
         self.seq += 1
         report.seq = self.seq
         self.hooks.call("collect", self, report)
-        if checkpoint_at is None:
+        score = self.cfg.checkpoint.score_metric
+        if checkpoint_at is not None and score is not None:
+            report.checkpoint_score = checkpoint_score(report.metrics, score, self.cfg.checkpoint.score_mode)
+        if checkpoint_at is None or not_finite is not None:
             self.session.report(report.to_wire())
         else:
             own = RankState(rng.capture(), self.window.state(), self.hooks.state_dicts())
-            shared = None
-            if self.rank == 0:  # the shared part: weights, optimizer, schedule, scaler, position
+            shared = facts = None
+            if self.rank == 0:  # the shared part: weights, optimizer, schedule, scaler, position, layout
                 placed = Report(seq=report.seq, step=report.step, epoch=report.epoch, epochs=report.epochs,
                                 total_steps=report.total_steps, metrics=report.metrics).to_wire()
-                shared = self.training.capture().at(
+                state = self.training.capture().at(
                     epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
                     precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id, report=placed,
                     rank=own, report_seq=self.seq,
                     early_stopping=self.stopping.state() if self.stopping is not None else None,
-                    sample_shape=self.sample_shape).to_files()[0]
+                    sample_shape=self.input_example.sample_shape(),
+                    input_example=self.input_example.state(), layout=self.layout.to_dict())
+                checked = CheckpointFacts.of_state(state)
+                if not state.model:  # FSDP: the weights are in the shards; the facts keep their whole shapes
+                    checked.model_shapes = self.training.model_shapes()
+                shared, facts = state.to_files()[0], checked.to_json()
             name = dir_name(self.global_step, self.attempt)
             with self.training.strategy.staged_checkpoint(self.training.optimizer, shared, asdict(own),
-                                                          self.global_step) as directory:
+                                                          self.global_step, facts) as directory:
                 self.hooks.call("on_checkpoint", self, directory, name)
                 self.session.report(report.to_wire(), directory, name)
         self.window.exclude_since(began)
+        if not_finite is not None:
+            raise NonFiniteState(
+                f"the train state is not finite at step {self.global_step} ({not_finite}), so no checkpoint was "
+                "written: the newest checkpoint is still the newest finite one. Look at amp/overflow_log.json for "
+                "the steps before; set precision.on_nonfinite_grads: skip (the default), lower optim.lr, clip "
+                "(optim.clip_grad_norm) or keep the layer named in fp32 (precision.rules).")
+
+    def nonfinite_state(self) -> Optional[str]:
+        """What is not finite where, on any rank, in what a checkpoint would hold (weights, masters, optimizer
+        state); None when every rank's is finite. A collective: every rank calls it at the same point."""
+        problem = self.training.first_nonfinite()
+        if all_agree(problem is None, self.device):
+            return None
+        return "; ".join(f"rank {rank}: {what}" for rank, what in enumerate(all_gather(problem, self.world_size))
+                         if what)
 
     # -- building and resuming ----------------------------------------------------------------------
 
@@ -243,14 +292,22 @@ class TrainingLoop:
         return build_training(self.cfg, self.device, rank=self.rank, world_size=self.world_size,
                               total_steps=self.total_steps, state=state, wrap=self.wrap)
 
-    def resume(self, state: Optional[TrainState]) -> tuple[int, int]:
-        """Exactly where the checkpoint left off (position, RNG, the unreported loss window, the hooks' states);
-        (0, 0) afresh. Returns (epoch, batches done in it)."""
-        if state is None:
+    def build_resumed(self, state: Optional[TrainState]) -> Training:
+        """`build` for the run's start: first where `state` (the checkpoint resumed, None afresh) goes on under this
+        job, or IncompatibleResume; that decides the run's total steps, which the schedule is built for."""
+        job = Layout.of(self.cfg, self.layout.train_samples, self.world_size)
+        self.resumed = check_resume(CheckpointFacts.of_state(state), job, f"the checkpoint of step "
+                                    f"{state.global_step}") if state is not None else None
+        self.total_steps = self.resumed.total_steps if self.resumed is not None else job.total_steps
+        self.layout = replace(job, total_steps=self.total_steps)
+        return self.build(state)
+
+    def resume(self, state: Optional[TrainState], resumed: Optional[Resumed]) -> tuple[int, int]:
+        """Exactly where the checkpoint left off (position as `check_resume` placed it under this job, RNG, the
+        unreported loss window, the hooks' states); (0, 0) afresh. Returns (epoch, batches done in it)."""
+        if state is None or resumed is None:
             return 0, 0
-        epoch, batches_done, self.global_step = state.epoch, state.batches_done, state.global_step
-        if batches_done >= self.steps_per_epoch:
-            epoch, batches_done = epoch + 1, 0
+        epoch, batches_done, self.global_step = resumed.epoch, resumed.batches_done, state.global_step
         if state.rank is not None:
             rng.restore(state.rank.rng)
             self.window.load_state(state.rank.window)
@@ -258,6 +315,6 @@ class TrainingLoop:
         if state.precision != OmegaConf.to_container(self.cfg.precision):
             self.resume_warnings.append("the job's precision section differs from the one the checkpoint was "
                                         "trained with.")
-        self.seq, self.sample_shape = state.report_seq, list(state.sample_shape)
+        self.seq, self.input_example = state.report_seq, InputExample(state.input_example)
         self.checkpoint_report = state.report
         return epoch, batches_done

@@ -128,10 +128,11 @@ def module_source(name: str, where: str = "model.name") -> Path | None:
 
 
 def module_sources(cfg) -> list[Path]:
-    """Every module of the user's own code a job names by import path (model, data, loss, metrics, callbacks),
-    once."""
+    """Every module of the user's own code a job names by import path (model, data, collate, loss, metrics,
+    callbacks), once."""
     named = [(cfg.model.name, "model.name"), (cfg.data.name, "data.name"), (cfg.task.loss, "task.loss"),
-             *((metric, "task.metrics") for metric in cfg.task.metrics),
+             *([(cfg.data.collate, "data.collate")] if cfg.data.collate is not None else []),
+             *((metric.name, f"task.metrics[{index}].name") for index, metric in enumerate(cfg.task.metrics)),
              *((callback.name, f"callbacks[{index}].name") for index, callback in enumerate(cfg.callbacks))]
     sources = (module_source(name, where) for name, where in named)
     return list(dict.fromkeys(source for source in sources if source is not None))

@@ -5,13 +5,15 @@ plain dicts, lists, numbers and strings: that is what travels through `ray.train
 controller, whose relay callback merges the ranks' reports into one (`Report.merged`) for the driver's MLflow
 writer, and what checkpoints keep of reports (they load with `torch.load(weights_only=True)`).
 
-Ray Train reads a checkpoint's score from the wire form flattened with "/": the metric `eval/accuracy` is
-`metrics/eval/accuracy` there (`score_attribute`).
+A report with a checkpoint carries the checkpoint's score (`checkpoint_score`) when checkpoints are scored:
+Ray Train ranks checkpoints by it (`CHECKPOINT_SCORE`) and keeps the best.
 """
 
 import json
+import math
+import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Report:
     rank's, once merged."""
     warnings: list[str] = field(default_factory=list)
     """Printed on the driver's console (and tagged on the run)."""
+    checkpoint_score: Optional[float] = None
+    """With `checkpoint.score_metric`, on a report with a checkpoint: what Ray Train ranks the checkpoint by
+    (`CHECKPOINT_SCORE`, `checkpoint_score()`)."""
     replay: list["Report"] = field(default_factory=list)
     """Reports of a resumed run that the previous driver may not have logged, sent again, oldest first."""
 
@@ -70,6 +75,21 @@ class Report:
                 **self.metrics}
 
 
-def score_attribute(metric: str) -> str:
-    """The key Ray Train scores checkpoints by for `metric` (its report flattened with "/")."""
-    return f"metrics/{metric}"
+CHECKPOINT_SCORE = "checkpoint_score"
+"""The key of a report's wire form Ray Train scores its checkpoint by (`checkpoint_score_attribute`)."""
+
+UNSCORED = sys.float_info.max
+"""How far from any real score an unscored checkpoint is put: finite, because Ray Train keeps its checkpoint
+bookkeeping as JSON through pydantic, which writes an infinity as null (and a resumed driver could not rank it)."""
+
+
+def checkpoint_score(metrics: Mapping[str, float], metric: str, mode: str) -> float:
+    """A checkpoint's score: `metric` when the report with it has that metric (an evaluation ran at its step), else
+    the worst score for `mode`, so that Ray Train deletes it first once a newer checkpoint exists.
+
+    Ray Train scores a report without the attribute -inf *before* applying the mode: under `min` that would be
+    the best checkpoint there is, displacing every evaluated one."""
+    value = metrics.get(metric)
+    if value is None or not math.isfinite(value):
+        return -UNSCORED if mode == "max" else UNSCORED
+    return float(value)

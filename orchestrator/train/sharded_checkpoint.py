@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-from orchestrator.train.checkpoint import (STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint, manifest_file,
-                                           rank_file, write_failure)
+from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
+                                           manifest_file, rank_file, write_failure)
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
@@ -114,9 +114,11 @@ class _SafePlanner(DefaultLoadPlanner):
 
 def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model: nn.Module,
                              optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]], own: dict[str, Any],
-                             save: Callable[[Any, Path], None] = torch.save) -> None:
-    """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata and `shared`, each its
-    `own` part; then each its manifest, last. Buffers are rank 0's on every rank first (as the next forward would
+                             save: Callable[[Any, Path], None] = torch.save,
+                             facts: Optional[dict[str, Any]] = None) -> None:
+    """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata, `shared` and `facts`
+    (`ampflow_checkpoint.json`, what the driver reads before a resume), each its `own` part; then each its
+    manifest, last. Buffers are rank 0's on every rank first (as the next forward would
     make them), so whichever rank's copy DCP keeps, it is rank 0's."""
     directory = Path(directory)
     broadcast_buffers(model)
@@ -133,6 +135,9 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
         files.append(METADATA)
         _save_atomically(shared if shared is not None else {}, directory / STATE_FILE, save)
         files.append(STATE_FILE)
+        if facts is not None:
+            _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
+            files.append(FACTS_FILE)
     _save_atomically(own, directory / rank_file(rank), save)
     files.append(rank_file(rank))
     manifest = {"strategy": STRATEGY, "world_size": world_size,
@@ -162,13 +167,14 @@ def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) ->
 
 @contextmanager
 def staged_sharded_checkpoint(rank: int, world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              shared: Optional[dict[str, Any]], own: dict[str, Any], step: int) -> Iterator[Path]:
+                              shared: Optional[dict[str, Any]], own: dict[str, Any], step: int,
+                              facts: Optional[dict[str, Any]] = None) -> Iterator[Path]:
     """This rank's part of a sharded checkpoint in a temporary directory, yielded to be reported (Ray Train, or
     the Ray-free session, merges every rank's directory into one). A failed write raises CheckpointWriteError on
     the rank that failed (DCP's own write failures on every rank), and nothing of it is kept."""
     with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-") as tmp:
         try:
-            write_sharded_checkpoint(Path(tmp), rank, world_size, model, optimizer, shared, own)
+            write_sharded_checkpoint(Path(tmp), rank, world_size, model, optimizer, shared, own, facts=facts)
         except OSError as exc:
             raise write_failure(exc, f"the sharded checkpoint of step {step} on rank {rank}") from exc
         yield Path(tmp)

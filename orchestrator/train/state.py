@@ -64,7 +64,15 @@ class TrainState:
     early_stopping: dict[str, Any] = field(default_factory=dict)
     """Where `run.early_stopping` stood: the best value so far, evaluations without improvement since."""
     sample_shape: list[int] = field(default_factory=list)
-    """One training input's shape (no batch dimension), e.g. [1, 28, 28]: the logged model's example input."""
+    """The first training input's shape (no batch dimension), e.g. [1, 28, 28]."""
+    input_example: dict[str, Any] = field(default_factory=dict)
+    """The first training batch's inputs (its first samples) and the dims that varied between batches
+    (`orchestrator.train.batch.InputExample.state()`): the logged model's signature and input example. Empty in
+    checkpoints written before it was kept: the logged model then takes `sample_shape` float32 inputs."""
+    layout: dict[str, Any] = field(default_factory=dict)
+    """How the run walked its data (`orchestrator.train.resume.Layout`: world size, batch size, accumulation,
+    training samples, steps per epoch, epochs, total steps, schedule); {} in checkpoints written before it was
+    recorded."""
     rank: Optional[RankState] = None
     """This rank's own part; None for a rank the checkpoint has none of (the world grew)."""
 
@@ -100,11 +108,13 @@ class TrainState:
     def at(self, *, epoch: int, batches_done: int, global_step: int, precision: dict[str, Any],
            run_id: Optional[str], report: dict[str, Any], rank: Optional[RankState],
            report_seq: int = 0, early_stopping: Optional[dict[str, Any]] = None,
-           sample_shape: Sequence[int] = ()) -> "TrainState":
+           sample_shape: Sequence[int] = (), input_example: Optional[dict[str, Any]] = None,
+           layout: Optional[dict[str, Any]] = None) -> "TrainState":
         """This state placed in the run: where it was taken, and what was reported with it."""
         return replace(self, epoch=epoch, batches_done=batches_done, global_step=global_step, precision=precision,
                        run_id=run_id, report=report, rank=rank, report_seq=report_seq,
-                       early_stopping=early_stopping or {}, sample_shape=list(sample_shape))
+                       early_stopping=early_stopping or {}, sample_shape=list(sample_shape),
+                       input_example=input_example or {}, layout=layout or {})
 
     def detached(self) -> "TrainState":
         """A copy with every tensor cloned to the CPU (a snapshot that training cannot change)."""

@@ -7,11 +7,12 @@ benchmarks can call it on its own.
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
 from orchestrator.precision import StepOutcome
+from orchestrator.train.batch import Batch
 from orchestrator.train.training import Training
 
 
@@ -25,8 +26,8 @@ class Step:
     """The epoch, from 0."""
     index: int
     """The step's place in its epoch, from 0."""
-    batches: list[Any] = field(default_factory=list)
-    """Its micro-batches (`run.accumulate_steps` of them), as the loader gave them."""
+    batches: list[Batch] = field(default_factory=list)
+    """Its micro-batches (`run.accumulate_steps` of them), on the host as the loader gave them."""
     loss: Optional[torch.Tensor] = None
     """The micro-batches' mean loss, on the device, once backward ran (what the step decides on)."""
     outcome: Optional[StepOutcome] = None
@@ -35,13 +36,14 @@ class Step:
     @property
     def samples(self) -> int:
         """Samples this rank trained on in this step."""
-        return sum(targets.shape[0] for _, targets in self.batches)
+        return sum(batch.size for batch in self.batches)
 
 
 def train_step(training: Training, inputs, targets, device: torch.device, step: int,
                after_backward: Optional[Callable[[Step], None]] = None) -> tuple[torch.Tensor, StepOutcome]:
-    """One optimizer step on one batch: forward, backward, step; the same decision (step or skip) on every rank."""
-    record = Step(number=step, epoch=0, index=0, batches=[(inputs, targets)])
+    """One optimizer step on one `(inputs, targets)` batch: forward, backward, step; the same decision (step or
+    skip) on every rank."""
+    record = Step(number=step, epoch=0, index=0, batches=[Batch.pair(inputs, targets)])
     accumulated_step(training, record, device, after_backward)
     return record.loss, record.outcome
 
@@ -53,15 +55,15 @@ def accumulated_step(training: Training, step: Step, device: torch.device,
     one step (unscale, clip, step or skip) and one loss-scale update. Sets `step.loss` (the micro-batches' mean
     loss) and `step.outcome`."""
     model, precision = training.prepared.model, training.precision
-    micro_batches: Sequence[tuple[Any, Any]] = step.batches
+    micro_batches = step.batches
     training.optimizer.zero_grad(set_to_none=True)
     losses = []
-    for index, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = training.prepared.inputs(inputs, device), targets.to(device, non_blocking=True)
+    for index, batch in enumerate(micro_batches):
+        batch = training.prepared.place(batch, device)
         last = index == len(micro_batches) - 1
         with contextlib.nullcontext() if last else training.strategy.no_sync():
             with precision.forward():
-                loss = training.loss(model(inputs), targets)
+                loss = training.loss(batch.forward(model), batch.targets)
             precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
         losses.append(loss.detach())
     step.loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()

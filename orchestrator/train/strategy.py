@@ -71,7 +71,8 @@ class Strategy(Protocol):
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int) -> AbstractContextManager[Path]: ...
+                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
+                          ) -> AbstractContextManager[Path]: ...
 
 
 class DdpStrategy:
@@ -116,8 +117,9 @@ class DdpStrategy:
         return self.precision.fp32_state_dict()
 
     def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int) -> AbstractContextManager[Path]:
-        return staged_checkpoint(self.rank, shared, own, step)
+                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
+                          ) -> AbstractContextManager[Path]:
+        return staged_checkpoint(self.rank, shared, own, step, facts=facts)
 
 
 def make_strategy(cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Optional[Wrap] = None
@@ -195,9 +197,10 @@ def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int
 
 # -- the trained model, on the driver ------------------------------------------------------------------------------
 
-def load_trained_weights(checkpoint: Any, model: nn.Module) -> list[int]:
+def load_trained_weights(checkpoint: Any, model: nn.Module) -> TrainState:
     """Load a (verified) checkpoint's fp32 weights into `model`, the job's plain model built in this process (the
-    driver: the logged MLflow model, the export); returns the input shape it trained on. A DDP checkpoint keeps the
+    driver: the logged MLflow model, the export); returns the checkpoint's train state (the inputs it trained on;
+    under FSDP without the model and optimizer, which its shards hold). A DDP checkpoint keeps the
     weights in train_state.pt; an FSDP one keeps them in its shards, read here whole (`read_full_model`: no
     process group, nothing unpickled). `checkpoint`: anything with `as_directory()`, as Ray Train's Checkpoint."""
     with checkpoint.as_directory() as opened:
@@ -205,7 +208,7 @@ def load_trained_weights(checkpoint: Any, model: nn.Module) -> list[int]:
         if written_under(directory) != "fsdp":
             state = read_checkpoint(directory, rank=0)
             model.load_state_dict(state.model)
-            return list(state.sample_shape)
+            return state
         sharded_checkpoint.verify_sharded_checkpoint(directory, rank=0, world_size=1)  # every writer's files
         shared = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
         try:
@@ -213,7 +216,7 @@ def load_trained_weights(checkpoint: Any, model: nn.Module) -> list[int]:
         except ValueError as exc:
             raise CorruptCheckpoint(f"{directory.name}: {exc}") from None
         model.load_state_dict(sharded_checkpoint.read_full_model(directory, model))
-        return list(state.sample_shape)
+        return state
 
 
 # -- pre-flight ------------------------------------------------------------------------------------------------------

@@ -6,20 +6,30 @@ import-path model is):
 - a loss `fn(outputs, targets) -> loss`: a scalar tensor, the mean over the batch;
 - a metric `fn(outputs, targets) -> {name: (sum, count)}`: for each name, a sum and the number of items
   it is over, for this batch. Evaluation adds them up over all batches and all ranks and logs
-  `eval/<name>` = total sum / total count (accuracy is `{"accuracy": (correct, batch size)}`).
-Losses run in fp32 (outputs are cast to float32 first), whatever the forward pass computed in.
+  `eval/<name>` = total sum / total count (accuracy is `{"accuracy": (correct, batch size)}`);
+- a `torchmetrics.Metric` class (`{name: torchmetrics.classification:MulticlassF1Score, kwargs: {...}}`): updated
+  with every batch, computed over all ranks by torchmetrics' own sync, logged as `eval/<log_as>`. Any metric that
+  is not a mean over samples (macro-F1, AUROC, mAP) needs this.
+Losses and metrics see fp32 outputs (floating outputs are cast to float32 first), whatever the forward pass
+computed in.
 """
 
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from orchestrator.config.imports import resolve_import_path
-from orchestrator.config.names import check_loss_name
+from orchestrator.config.names import check_loss_name, is_torchmetrics_class, snake_case
+from orchestrator.train.batch import map_tensors
 
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Metric = Callable[[torch.Tensor, torch.Tensor], dict[str, tuple[Any, Any]]]
+Loss = Callable[[Any, Any], torch.Tensor]
+
+
+def fp32(outputs: Any) -> Any:
+    """The outputs with every floating tensor in float32 (what losses and metrics are given)."""
+    return map_tensors(lambda t: t.float() if t.is_floating_point() else t, outputs)
 
 
 def _as_outputs(targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -40,7 +50,7 @@ def build_loss(task) -> Loss:
             outputs.float(), _as_outputs(targets, outputs.float()))
     check_loss_name(name)  # an unknown name is refused here
     user_loss = resolve_import_path(name, "task.loss", kind="loss")
-    return lambda outputs, targets: user_loss(outputs.float(), targets)
+    return lambda outputs, targets: user_loss(fp32(outputs), targets)
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
@@ -55,6 +65,64 @@ def top5(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, A
 BUILT_IN = {"accuracy": accuracy, "top5": top5}
 
 
-def build_metrics(task) -> list[Metric]:
-    return [BUILT_IN[name] if name in BUILT_IN else resolve_import_path(name, "task.metrics", kind="metric")
-            for name in task.metrics]
+class SummedMetric:
+    """A metric function `fn(outputs, targets) -> {name: (sum, count)}`: sums and counts added up over this rank's
+    batches here, over the ranks by the evaluation (one all-reduce for every such metric)."""
+
+    def __init__(self, function: Callable[[Any, Any], dict[str, tuple[Any, Any]]], name: str):
+        self.function, self.name = function, name
+        self.sums: dict[str, list[Any]] = {}
+        """name -> [sum, count] over this rank's batches so far (tensors stay on the device until the end)."""
+
+    def reset(self, device: torch.device) -> None:
+        self.sums = {}
+
+    def update(self, outputs: Any, targets: Any) -> None:
+        returned = self.function(outputs, targets)
+        if not isinstance(returned, dict) or not all(isinstance(v, (tuple, list)) and len(v) == 2
+                                                     for v in returned.values()):
+            raise TypeError(f"it returned {type(returned).__name__} {str(returned)[:100]}, not {{name: (sum, "
+                            "count)}}")
+        for key, (total, items) in returned.items():
+            entry = self.sums.setdefault(key, [0.0, 0.0])
+            entry[0], entry[1] = entry[0] + total, entry[1] + items
+
+
+class TorchMetric:
+    """A torchmetrics Metric: updated per batch, `compute()` gathers every rank's state (torchmetrics' own sync, a
+    collective every rank makes) and gives the whole eval set's value."""
+
+    def __init__(self, metric: Any, key: str):
+        self.metric, self.key = metric, key
+
+    def reset(self, device: torch.device) -> None:
+        self.metric.reset()
+        self.metric.to(device)
+
+    def update(self, outputs: Any, targets: Any) -> None:
+        self.metric.update(outputs, targets)
+
+    def compute(self) -> dict[str, float]:
+        """`{key: value}`; a metric giving one value per class or a dict gives `key/<index or name>` for each."""
+        with warnings.catch_warnings():  # a rank whose shard is empty still takes part in the sync
+            warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+            value = self.metric.compute()
+        if isinstance(value, dict):
+            return {f"{self.key}/{name}": float(v) for name, v in value.items()}
+        value = torch.as_tensor(value)
+        if value.numel() == 1:
+            return {self.key: float(value)}
+        return {f"{self.key}/{index}": float(v) for index, v in enumerate(value.flatten())}
+
+
+def build_metric(spec) -> SummedMetric | TorchMetric:
+    if spec.name in BUILT_IN:
+        return SummedMetric(BUILT_IN[spec.name], spec.name)
+    target = resolve_import_path(spec.name, "task.metrics", kind="metric")
+    if is_torchmetrics_class(target):
+        return TorchMetric(target(**dict(spec.kwargs)), spec.log_as or snake_case(target.__name__))
+    return SummedMetric(target, spec.name)
+
+
+def build_metrics(task) -> list[SummedMetric | TorchMetric]:
+    return [build_metric(spec) for spec in task.metrics]

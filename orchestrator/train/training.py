@@ -8,6 +8,7 @@ into one to rebuild from in this process. Resume, rollback and promotion are all
 then build from it".
 """
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -16,12 +17,16 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator.precision import Precision
+from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
+from orchestrator.train.batch import Batch
+from orchestrator.train.fsdp import local
 from orchestrator.train.models import build_model
-from orchestrator.train.modes import freeze_norm
+from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler
+from orchestrator.train.resume import IncompatibleResume, model_mismatch
 from orchestrator.train.state import TrainState
 from orchestrator.train.strategy import Strategy, make_strategy
 
@@ -50,7 +55,7 @@ class PreparedModel:
     params_bytes: int
     """Bytes of the parameters as stored under the policy (this rank's shards under FSDP)."""
     memory_format: torch.memory_format = torch.contiguous_format
-    """What 4-D inputs are converted to before the forward pass (`perf.channels_last`)."""
+    """What 4-D floating inputs are converted to before the forward pass (`perf.channels_last`)."""
     compile_options: Optional[dict[str, Any]] = None
     """torch.compile arguments still to apply (`perf.compile`); None once compiled, or when not asked."""
 
@@ -61,12 +66,9 @@ class PreparedModel:
             self.model = torch.compile(self.model, **self.compile_options)
             self.compile_options = None
 
-    def inputs(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A batch of inputs on the device, in the model's memory format."""
-        tensor = tensor.to(device, non_blocking=True)
-        if tensor.dim() == 4 and self.memory_format != torch.contiguous_format:
-            tensor = tensor.contiguous(memory_format=self.memory_format)
-        return tensor
+    def place(self, batch: Batch, device: torch.device) -> Batch:
+        """The batch on the device (every dtype kept), 4-D floating inputs in the model's memory format."""
+        return batch.to(device, self.memory_format)
 
 
 @dataclass
@@ -79,10 +81,10 @@ class Training:
     """Layers moved to fp32 at run time (`on_collapse: promote`), part of the effective policy."""
     clip_grad_norm: Optional[float] = None
     """`optim.clip_grad_norm`: the total gradient norm each step is clipped to (None: no clipping)."""
-    loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    loss: Optional[Callable[[Any, Any], torch.Tensor]] = None
     """`task.loss`: (outputs, targets) -> the batch's mean loss, in fp32."""
-    metrics: list[Callable] = field(default_factory=list)
-    """`task.metrics`: (outputs, targets) -> {name: (sum, count)}, summed over the eval set."""
+    metrics: list[Any] = field(default_factory=list)
+    """`task.metrics`: `task.SummedMetric`s and `task.TorchMetric`s, updated with each eval batch."""
     strategy: Optional[Strategy] = None
     """How the model is spread over the ranks (`scaling.strategy`): the step, checkpoints and the full weights go
     through it."""
@@ -112,6 +114,23 @@ class Training:
         collective: every rank calls it; the others get {})."""
         return self.strategy.full_state_dict()
 
+    def model_shapes(self) -> dict[str, list[int]]:
+        """The whole model's state-dict shapes (under FSDP the unsharded ones), as a checkpoint's facts record them."""
+        return {name: list(tensor.shape) for name, tensor in self.prepared.raw.state_dict().items()}
+
+    def first_nonfinite(self) -> Optional[str]:
+        """What a checkpoint would hold that is not finite on this rank (the model's parameters and buffers as
+        stored, the fp32 masters, the optimizer's state; under FSDP this rank's shards of them), described; None
+        when all of it is finite. Checked on the device, read in one host transfer."""
+        model = self.prepared.raw
+        masters = self.precision.named_tensors if self.precision.masters else []
+        optimizer_state = ((f"optimizer {key} of {name}", value)
+                           for name, tensor in self.strategy.named_optimizer_params()
+                           for key, value in self.optimizer.state.get(tensor, {}).items())
+        return first_nonfinite_tensor((name, local(tensor)) for name, tensor in itertools.chain(
+            named_tensors(model.state_dict()), ((f"{name} (fp32 master)", t) for name, t in masters),
+            ((name, t) for name, value in optimizer_state for name, t in named_tensors(value, name))))
+
 
 def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int = 1, total_steps: int,
                    state: Optional[TrainState] = None, wrap: Optional[Wrap] = None) -> Training:
@@ -124,8 +143,14 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     strategy = make_strategy(cfg, device, rank, world_size, wrap)
     model = build_model(cfg.model)
     if state is not None:
+        mismatch = model_mismatch({k: list(v.shape) for k, v in state.model.items()},
+                                  {k: list(v.shape) for k, v in model.state_dict().items()}) if state.model else None
+        if mismatch:  # under FSDP a checkpoint's train state holds no weights: its shards are checked as they load
+            raise IncompatibleResume(f"model: {mismatch} (model.name={cfg.model.name}): the checkpoint was trained "
+                                     "with another model. Set the model back, or start a new run without --resume.")
         strategy.load_weights(model, state)
     memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
+    train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so
     if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
         freeze_norm(model)
     model.to(device, memory_format=memory_format)  # before masters: their copies keep the layout

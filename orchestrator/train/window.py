@@ -50,12 +50,15 @@ class Window:
 
     def read(self) -> dict[str, float]:
         """Global mean loss, samples/s and (with clipping) mean gradient norm over all ranks (one all-reduce),
-        then reset."""
+        then reset. No `train/loss` when no step since the last read computed one (all skipped for a non-finite
+        loss): a loss that was not computed is not reported."""
         elapsed = time.perf_counter() - self.started
         loss_sum, samples, norm_sum, norm_steps = all_reduce(
             [self.loss_sum.item(), float(self.samples), self.grad_norm_sum.item(), float(self.grad_norm_steps)],
             self.device)
-        metrics = {"train/loss": loss_sum / max(samples, 1.0), "perf/samples_per_s": samples / max(elapsed, 1e-9)}
+        metrics = {"perf/samples_per_s": samples / max(elapsed, 1e-9)}
+        if samples:
+            metrics["train/loss"] = loss_sum / samples
         if norm_steps:
             metrics["train/grad_norm"] = norm_sum / norm_steps
         self.reset()

@@ -12,15 +12,18 @@ hooks were given (built-in ones first, the job's `callbacks` last):
     collect(loop, report)             every report, just before it is handed over
     on_checkpoint(loop, directory, name)  this rank's part of a checkpoint is staged in `directory`, to be
                                       stored as `name`: add files, or look at it
-    state_dict() / load_state_dict(state)  what the hook keeps in this rank's part of checkpoints (plain types)
+    state_dict() / load_state_dict(state)  what the hook keeps in this rank's part of checkpoints (plain
+                                      types and tensors)
     teardown(loop)                    once, when training ends, also when it fails
 
 A hook that makes a collective call (an all-reduce) must run on every rank and make it at the same point:
 the built-in memory hook does (peaks over ranks). `rank_zero_only = True` runs a hook on rank 0 alone.
 The loop's own attributes a hook may read: `loop.training` (model, optimizer, precision), `loop.cfg`,
-`loop.rank`, `loop.world_size`, `loop.device`, `loop.global_step`, `loop.steps_per_epoch`, `loop.total_steps`.
+`loop.rank`, `loop.world_size`, `loop.device`, `loop.global_step`, `loop.steps_per_epoch`, `loop.total_steps`,
+`loop.eval_loader` (docs/own-code.md#callbacks).
 """
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -74,6 +77,18 @@ class Hooks:
             function = getattr(hook, method, None)
             if function is not None:
                 function(*args)
+
+    def call_every(self, method: str, *args: Any) -> None:
+        """Call `method` on every hook even when one raises (teardown after a failure); what they raise is
+        printed, not raised: the failure that got here is the one the run reports."""
+        for hook in self.hooks:
+            function = getattr(hook, method, None)
+            try:
+                if function is not None:
+                    function(*args)
+            except Exception as exc:
+                print(f"warning: {hook_name(hook)} also raised in {method}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
 
     def state_dicts(self) -> dict[str, Any]:
         """Each hook's checkpoint state, by hook name (hooks without state are left out)."""

@@ -36,7 +36,8 @@ class CollapseRecovery(Hook):
         training = loop.training
         guard = training.precision.guard
         layers = guard.overflowing_layers()  # a collective: every rank is here, the flags were agreed
-        message = f"loss scale collapsed at step {step.number}: {step.outcome.collapse}; overflowing layers: " \
+        what = "loss scale collapsed" if guard.scaler.is_enabled() else "training collapsed (no loss scale)"
+        message = f"{what} at step {step.number}: {step.outcome.collapse}; overflowing layers: " \
                   f"{', '.join(layers) or 'none identified'}"
         if self.on_collapse == "abort" or (self.on_collapse == "promote" and not layers):
             raise LossScaleCollapsed(f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or "

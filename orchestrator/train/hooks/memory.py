@@ -1,4 +1,4 @@
-"""Memory in the reports: bytes by dtype and category (`memory/<category>/<dtype>`, `memory/breakdown`) once
+"""Memory in the reports: bytes by dtype and category (`memory/<category>_<dtype>_bytes`, `memory/breakdown`) once
 the first step has measured them, and every epoch the peaks of every rank and what each rank holds of the model's
 state. The ledger measures the rank it runs on (rank 0's figures are logged): under FSDP its shards."""
 
@@ -14,7 +14,7 @@ from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
 class MemoryReport(Hook):
     """The memory ledger's table and metrics with the report after the first complete step; each epoch's
     report adds `memory/peak_bytes` (max over ranks: a collective, every rank makes it), the per-rank peaks,
-    `memory/state_bytes/rank<r>` (the parameters, gradients, optimizer state and masters rank r holds: under FSDP
+    `memory/rank<r>_state_bytes` (the parameters, gradients, optimizer state and masters rank r holds: under FSDP
     its shards, so the ranks differ) and `memory/params_bytes`."""
 
     name = "memory"
@@ -31,7 +31,7 @@ class MemoryReport(Hook):
         report.metrics.update(memory_peaks(loop.rank, loop.world_size, loop.device))
         held = per_rank(float(state_bytes(loop.training.precision.ledger.bytes)), loop.rank, loop.world_size,
                         loop.device)
-        report.metrics.update({f"memory/state_bytes/rank{r}": size for r, size in enumerate(held)})
+        report.metrics.update({f"memory/rank{r}_state_bytes": size for r, size in enumerate(held)})
         report.metrics.update({"memory/params_bytes": float(loop.training.prepared.params_bytes),
                                **loop.training.precision.ledger.metrics()})
 
@@ -50,11 +50,12 @@ def state_bytes(measured: dict[str, dict[str, int]]) -> int:
 
 
 def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:
-    """`memory/peak_bytes` (max over ranks) and `memory/peak_bytes/rank<r>` (and CUDA reserved)."""
+    """`memory/peak_bytes` (max over ranks) and `memory/rank<r>_peak_bytes` (and CUDA's
+    `memory/rank<r>_peak_reserved_bytes`)."""
     peaks = per_rank(float(peak_bytes(device)), rank, world_size, device)
-    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/peak_bytes/rank{r}": p for r, p in enumerate(peaks)}}
+    metrics = {"memory/peak_bytes": max(peaks), **{f"memory/rank{r}_peak_bytes": p for r, p in enumerate(peaks)}}
     reserved = peak_reserved_bytes(device)
     if reserved is not None:
         reserved_peaks = per_rank(float(reserved), rank, world_size, device)
-        metrics.update({f"memory/peak_reserved_bytes/rank{r}": p for r, p in enumerate(reserved_peaks)})
+        metrics.update({f"memory/rank{r}_peak_reserved_bytes": p for r, p in enumerate(reserved_peaks)})
     return metrics

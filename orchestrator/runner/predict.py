@@ -1,0 +1,187 @@
+"""Predictions of a logged model: `orchestrator.predict(run_id or model_uri, data)` (and `ampflow predict`).
+
+The model is one a run logged (`orchestrator.runner.outputs`): a run id means its fp32 model `model` (its best
+or final checkpoint's weights); a model URI names any (`runs:/RUN_ID/model_bfloat16` for an export,
+`models:/NAME/VERSION` for a registered version). It is loaded without unpickling anything: its pt2 program
+only (`orchestrator.tracking.model_files`); a model logged pickled, because it did not export to pt2, is
+refused, as export refuses it.
+
+It runs in the precision it was trained or exported in:
+- the fp32 `model` as trained: the job's model (the run's `config/job.yaml`) given the logged weights, cast by
+  the run's precision policy (per-layer dtypes, the layers promoted at run time) and run under its autocast, in
+  eval mode, as the run's evaluation ran it;
+- an export (`model_float16`, `model_bfloat16`) as exported: its dtypes are in the program.
+
+`data`: one batch (a tensor, or a dict of tensors given to the model as keyword arguments), or a dataset: the
+run's own eval split (`"eval"`, built from its `data` section), a map-style dataset, or an iterable of batches;
+a dataset's `(inputs, target)` items give their inputs. The outputs come back on the CPU, in the dtype the
+model computed them in, a dataset's concatenated in its order.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from orchestrator.errors import BadInput
+
+TRAINED_MODEL = "model"
+"""The name a run logs its fp32 model under; an export is `model_<dtype>`."""
+EVAL_SPLIT = "eval"
+
+
+@dataclass
+class Predictor:
+    """A logged model, loaded, that predicts in the precision it was trained or exported in."""
+
+    model: torch.nn.Module
+    device: torch.device
+    autocast: Callable[[], ContextManager]
+    """The forward pass's autocast context (a no-op for an export, or a run without autocast)."""
+    cfg: Any
+    """The run's job (its `data` section gives the `"eval"` dataset)."""
+    describe: str
+    """What runs, in words: the model and its precision."""
+
+    @torch.no_grad()
+    def __call__(self, inputs: Any) -> Any:
+        """The model's outputs for one batch of inputs, on the CPU."""
+        inputs = _to(inputs, self.device)
+        with self.autocast():
+            outputs = self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
+        return _to(outputs, torch.device("cpu"))
+
+    def over(self, data: Any, batch_size: int = 256) -> Any:
+        """The outputs for `data`: one batch, or every batch of a dataset concatenated in order."""
+        if isinstance(data, str):
+            if data != EVAL_SPLIT:
+                raise BadInput(f"data: '{data}' is not a dataset; give '{EVAL_SPLIT}' (the run's eval split), a "
+                               "dataset, or a batch (a tensor, or a dict of tensors).")
+            if self.cfg is None:
+                raise BadInput("data: 'eval' is the run's eval split, and this model comes from no run of ampflow; "
+                               "give a dataset or a batch.")
+            from orchestrator.train.data import build_datasets
+
+            data = build_datasets(self.cfg.data, self.cfg.model.num_classes)[1]
+        if isinstance(data, (torch.Tensor, Mapping)):
+            return self(data)
+        if isinstance(data, (tuple, list)) and any(isinstance(item, torch.Tensor) for item in data):
+            raise BadInput("data: a tuple or list of tensors is ambiguous (inputs and targets? several inputs?): give "
+                           "the inputs tensor (one batch), a dict of tensors, or a dataset.")
+        map_style = hasattr(data, "__getitem__") and hasattr(data, "__len__")
+        if not (map_style or hasattr(data, "__iter__")):
+            raise BadInput(f"data: a {type(data).__name__} is neither a batch (a tensor, a dict of tensors) nor a "
+                           "dataset.")
+        batches = DataLoader(data, batch_size=batch_size) if map_style else data
+        outputs = [self(_inputs_of(batch)) for batch in batches]
+        if not outputs:
+            raise BadInput("data: the dataset is empty.")
+        return _concat(outputs)
+
+
+def load(model: str, tracking_uri: Optional[str] = None, device: Optional[str] = None) -> Predictor:
+    """The logged model `model` names (a run id, or a model URI), ready to predict; BadInput when there is none
+    there, or it cannot be loaded without unpickling."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking.model_files import load_pt2_model
+    from orchestrator.tracking.secrets import redact
+    from orchestrator.tracking.tracker import RunTracker, resolve_uri
+
+    uri = resolve_uri(tracking_uri, Path.cwd())
+    mlflow.set_tracking_uri(uri)  # runs:/ and models:/ URIs resolve through it
+    model_uri = model if ":/" in model else f"runs:/{model}/{TRAINED_MODEL}"
+    try:
+        info = mlflow.models.get_model_info(model_uri)
+    except Exception as exc:  # MlflowException, OSError: nothing logged there
+        raise BadInput(f"{model}: no logged model at {model_uri} in {redact(uri)} ({type(exc).__name__}: "
+                       f"{redact(str(exc))[:300]}). Give a run id whose run logged its model (tracking.log_model), "
+                       "or a model URI; --tracking-uri or MLFLOW_TRACKING_URI for another store.") from None
+    program = load_pt2_model(info.model_uri, model_uri)
+    run = MlflowClient(tracking_uri=uri).get_run(info.run_id) if info.run_id else None
+    cfg = _run_job(RunTracker(uri, run.info.experiment_id, info.run_id)) if run is not None else None
+    if info.name != TRAINED_MODEL or cfg is None:  # an export: its dtypes (and eval mode) are in the program
+        how = "as exported" if info.name != TRAINED_MODEL else "as logged"
+        return Predictor(program, torch.device("cpu"), contextlib.nullcontext, cfg, f"{model_uri} {how}")
+    promoted = [name for name in run.data.tags.get("precision.promoted", "").split(",") if name]
+    return _as_trained(program, cfg, promoted, model_uri, device)
+
+
+def _run_job(tracker) -> Optional[Any]:
+    """The run's job config, or None for a run not made by ampflow."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.create(tracker.load_text("config/job.yaml"))
+    except Exception:  # MlflowException, OSError: no such artifact
+        return None
+
+
+def _as_trained(program: torch.nn.Module, cfg: Any, promoted: list[str], model_uri: str,
+                device: Optional[str]) -> Predictor:
+    """The job's model with the program's weights, cast and run as the run's precision policy says."""
+    from orchestrator.precision import Policy, apply, autocast_context, plan
+    from orchestrator.precision.precision import bf16_unsupported
+    from orchestrator.train.models import build_model
+
+    where = f"{model_uri} as trained"
+    try:
+        model = build_model(cfg.model)
+    except BadInput as exc:
+        raise BadInput(f"{where}: the run's model is rebuilt to run in its precision, and it cannot be here: {exc} "
+                       "Run predict from the directory the job was submitted from, or predict with an export "
+                       "(runs:/RUN_ID/model_<dtype>), which needs no code.") from None
+    try:
+        model.load_state_dict(program.state_dict())
+    except RuntimeError as exc:
+        raise BadInput(f"{where}: the logged weights do not fit model.name={cfg.model.name}: {exc}") from None
+    policy = Policy.from_config(cfg.precision).with_promoted(promoted)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    problem = bf16_unsupported(policy, target)
+    if problem:
+        raise BadInput(f"{where}: {problem}")
+    model.to(target)
+    apply(model, policy, plan(model, policy), target.type)
+    precision = cfg.precision.preset or "the run's precision section"
+    return Predictor(model.eval(), target, lambda: autocast_context(policy.amp, target.type), cfg,
+                     f"{model_uri} as trained ({precision}) on {target}")
+
+
+def _inputs_of(batch: Any) -> Any:
+    """A batch's inputs: the first part of an `(inputs, targets)` batch, else the batch."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {key: _to(item, device) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(item, device) for item in value)
+    return value
+
+
+def _concat(outputs: list) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, Mapping):
+        return {key: _concat([output[key] for output in outputs]) for key in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat(list(parts)) for parts in zip(*outputs))
+    return outputs
+
+
+def predict(model: str, data: Any, *, batch_size: int = 256, device: Optional[str] = None,
+            tracking_uri: Optional[str] = None) -> Any:
+    """Run the logged model `model` (a run id or a model URI) over `data` (a batch or a dataset) in the precision
+    it was trained or exported in; returns its outputs on the CPU (a dataset's concatenated in order).
+
+    `device`: where a model run as trained runs (default: the GPU when there is one); an export runs on the CPU
+    it was saved on. `tracking_uri`: the MLflow store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."""
+    return load(model, tracking_uri, device).over(data, batch_size)

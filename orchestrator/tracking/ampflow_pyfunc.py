@@ -1,0 +1,45 @@
+"""The pyfunc of a model ampflow logged (shipped in the model's `code` directory; needs torch, numpy, mlflow).
+
+`mlflow.pyfunc.load_model(uri).predict(data)` takes one array (a model of one input) or a dict of named arrays
+(`{"input_ids": int64, "attention_mask": bool}`), each in the dtype of the model's signature, and returns the
+model's output as a numpy array. The model itself is loaded by `mlflow.pytorch.load_model`: a pt2 program, or a
+pickled module only where MLflow allows unpickling.
+"""
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+
+class _Model:
+    def __init__(self, model: Any, names: list, positional: int):
+        self.model, self.names, self.positional = model, list(names), int(positional)
+
+    def predict(self, data: Any, params: Optional[dict] = None) -> Any:
+        import torch
+
+        if isinstance(data, dict):
+            missing = [name for name in self.names if name not in data]
+            if missing:
+                raise ValueError(f"the model takes {self.names}; missing {missing}")
+            arrays = [data[name] for name in self.names]
+        elif hasattr(data, "columns") and len(self.names) > 1:  # a DataFrame: one column per input
+            arrays = [np.stack(data[name].to_numpy()) for name in self.names]
+        else:
+            arrays = [data.to_numpy() if hasattr(data, "to_numpy") else data]
+        tensors = [torch.as_tensor(np.asarray(array)) for array in arrays]
+        with torch.no_grad():
+            outputs = self.model(*tensors[:self.positional],
+                                 **dict(zip(self.names[self.positional:], tensors[self.positional:])))
+        if isinstance(outputs, torch.Tensor):
+            return outputs.detach().float().cpu().numpy()
+        return outputs
+
+
+def _load_pyfunc(path: str, model_config: Optional[dict] = None) -> _Model:
+    import mlflow.pytorch
+
+    config = model_config or {}
+    model = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)), map_location="cpu")
+    return _Model(model, config.get("names", []), config.get("positional", len(config.get("names", []))))

@@ -1,0 +1,143 @@
+"""What a logged model takes: its MLflow signature, input example and pyfunc, from a real training batch.
+
+`ModelInputs` holds the model's inputs in the order it is called with them (the forward's parameter order, named
+inputs bound to their parameters), each an example tensor of the dtype it was trained on (int64 token ids, bool
+masks, float32 images) and the dims that varied between batches (a padded sequence length), which the signature
+marks -1 with the batch dim. `save_model` is the flavor `RunTracker.log_model` hands to MLflow: the pytorch flavor
+(a pt2 program, else the pickled module) with that signature and example, and a pyfunc (`ampflow_pyfunc`, shipped
+in the model's code) that takes one array or a dict of named arrays and calls the model with them in order.
+"""
+
+import inspect
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("ampflow.tracking")
+
+PYFUNC_LOADER = Path(__file__).with_name("ampflow_pyfunc.py")
+"""The pyfunc loader module, copied into every logged model's code directory."""
+
+
+@dataclass
+class ModelInputs:
+    names: list[str]
+    """Every input's name, in call order (a positional input without a parameter name is `input_<i>`)."""
+    tensors: list[torch.Tensor]
+    """An example of each (a few samples, on the CPU, in the dtype training gave it)."""
+    variable: list[list[int]]
+    """Each input's dims, besides the batch dim, whose size changed between batches."""
+    positional: int
+    """How many of them (the first) are passed positionally; the rest by keyword (a model taking **kwargs)."""
+
+    @classmethod
+    def from_example(cls, model: torch.nn.Module, example: dict[str, Any]) -> "ModelInputs":
+        """From an `orchestrator.train.batch.InputExample` state: named inputs bound to the forward's parameters,
+        so the whole call is positional where the forward allows it."""
+        positional, named = list(example.get("positional", [])), dict(example.get("named", {}))
+        variable = example.get("variable", {})
+        if not positional and not named:
+            raise ValueError("no input example was recorded (an input that is not a tensor, or no step trained)")
+        dims = {**{str(i): variable.get(str(i), []) for i in range(len(positional))},
+                **{name: variable.get(name, []) for name in named}}
+        try:
+            bound = inspect.signature(model.forward).bind(*positional, **named)
+            kinds = {p.name: p.kind for p in inspect.signature(model.forward).parameters.values()}
+            flat = all(kinds[name] in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                       for name in bound.arguments)
+        except (TypeError, ValueError):
+            bound, flat = None, False
+        if flat:
+            names = list(bound.arguments)
+            keys = {name: str(i) if i < len(positional) else name for i, name in enumerate(names)}
+            return cls(names, list(bound.arguments.values()), [list(dims[keys[n]]) for n in names], len(names))
+        names = [f"input_{i}" for i in range(len(positional))] + list(named)
+        keys = [str(i) for i in range(len(positional))] + list(named)
+        return cls(names, positional + list(named.values()), [list(dims[k]) for k in keys], len(positional))
+
+    @classmethod
+    def from_shape(cls, shape: Sequence[int]) -> "ModelInputs":
+        """One float32 input of `shape` (checkpoints that kept only the first input's shape)."""
+        return cls(["input_0"], [torch.zeros(2, *shape)], [[]], 1)
+
+    @property
+    def single(self) -> bool:
+        """One positional input: the signature is one unnamed tensor and the example one array."""
+        return len(self.names) == 1 and self.positional == 1
+
+    def signature(self):
+        from mlflow.models import ModelSignature
+        from mlflow.types import Schema, TensorSpec
+
+        specs = []
+        for name, tensor, variable in zip(self.names, self.tensors, self.variable):
+            shape = tuple(-1 if d == 0 or d in variable else size for d, size in enumerate(tensor.shape))
+            specs.append(TensorSpec(_numpy(tensor).dtype, shape, None if self.single else name))
+        return ModelSignature(inputs=Schema(specs))
+
+    def example(self):
+        """The input example as MLflow keeps it: one array, or a dict of named arrays."""
+        arrays = [_numpy(tensor) for tensor in self.tensors]
+        return arrays[0] if self.single else dict(zip(self.names, arrays))
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}" for name, t in zip(self.names, self.tensors))
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.float()
+    return tensor.detach().cpu().numpy()
+
+
+def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: ModelInputs,
+               code_paths: Optional[list[str]] = None, pip_requirements: Optional[list[str]] = None,
+               chosen: Optional[list[str]] = None) -> None:
+    """The flavor's `save_model` (`mlflow.models.Model.log` calls it): a pt2 program when the model exports with
+    its inputs positional, else the pickled module; then the example and ampflow's pyfunc. Appends the format
+    used to `chosen`."""
+    import mlflow.pytorch
+    import mlflow.pyfunc
+    from mlflow.models.utils import _save_example
+
+    common = dict(mlflow_model=mlflow_model, signature=inputs.signature(), pip_requirements=pip_requirements,
+                  code_paths=[*(code_paths or []), str(PYFUNC_LOADER)])
+    try:
+        if inputs.positional != len(inputs.names):
+            raise ValueError("its forward takes inputs by keyword only")
+        mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
+                                  input_example=tuple(inputs.tensors), **common)
+        used = "pt2"
+    except Exception as exc:
+        logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
+        shutil.rmtree(path, ignore_errors=True)
+        mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pickle", **common)
+        used = "pickle"
+    _save_example(mlflow_model, inputs.example(), path)
+    mlflow_model.flavors.pop(mlflow.pyfunc.FLAVOR_NAME, None)
+    mlflow.pyfunc.add_to_model(mlflow_model, loader_module=PYFUNC_LOADER.stem, data="data", code="code",
+                               conda_env="conda.yaml", python_env="python_env.yaml",
+                               model_config={"names": inputs.names, "positional": inputs.positional})
+    mlflow_model.save(os.path.join(path, "MLmodel"))
+    if chosen is not None:
+        chosen.append(used)
+
+
+def log_model(model: torch.nn.Module, inputs: ModelInputs, name: str, code_paths: Optional[list[str]],
+              pip_requirements: list[str]) -> str:
+    """Log `model` under the active run as MLflow model `name`; returns the format used (`pt2` or `pickle`)."""
+    from types import SimpleNamespace
+
+    from mlflow.models import Model
+
+    chosen: list[str] = []
+    Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model), flavor_name="pytorch",
+              pytorch_model=model, inputs=inputs, code_paths=code_paths, pip_requirements=pip_requirements,
+              chosen=chosen)
+    return chosen[0]

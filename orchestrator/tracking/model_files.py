@@ -1,0 +1,77 @@
+"""A logged model loaded without unpickling anything: its pt2 program only, checked by MLflow to be pickle-free.
+
+MLflow's own `mlflow.pytorch.load_model` prefers a `data/model.pth` to the `data/model.pt2` beside it and
+unpickles it (running whatever it holds); before that it puts the model's `code/` directory first on
+`sys.path` and imports the module `data/pickle_module_info.txt` names. Anyone who can write a run's
+artifacts could plant those files. So the model is downloaded once, its files are checked here (a pt2
+program, no pickle file, no code directory), and only then handed to MLflow's loader with
+`MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false`, under which MLflow refuses a pt2 archive any of whose records
+is not plain data before `torch.export.load` reads it.
+"""
+
+import contextlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from orchestrator.errors import BadInput
+
+PICKLE_FILES = ("model.pth", "pickle_module_info.txt")
+"""What MLflow's PyTorch flavour writes for a pickled model; found beside a pt2 program, it was planted."""
+
+
+def load_pt2_model(model_uri: str, what: str):
+    """The `torch.nn.Module` of the pt2 program logged at `model_uri` (on the CPU). BadInput, naming `what` (e.g.
+    "run RUN_ID's model 'model'"), when the model is not a pickle-free pt2 program."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory(prefix="ampflow-model-") as downloaded:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=downloaded))
+        _check_files(local, what)
+        try:
+            with _pickle_refused():
+                return mlflow.pytorch.load_model(str(local))
+        except MlflowException as exc:
+            raise BadInput(f"{what} was refused: {exc.message} ampflow loads models only without unpickling "
+                           "them.") from None
+
+
+def _check_files(local: Path, what: str) -> None:
+    refuse = f"{what} cannot be loaded without unpickling it, and ampflow never unpickles a model"
+    try:
+        flavor = (yaml.safe_load((local / "MLmodel").read_text()) or {})["flavors"]["pytorch"]
+        data = (local / flavor["model_data"]).resolve()
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        raise BadInput(f"{what} is not an MLflow PyTorch model ({type(exc).__name__}: {exc}).") from None
+    if flavor.get("code"):
+        raise BadInput(f"{refuse}: it ships a code directory ('{flavor['code']}') that would be put on sys.path.")
+    if not data.is_relative_to(local.resolve()):
+        raise BadInput(f"{what} is not an MLflow PyTorch model: its model_data points outside it ({data}).")
+    planted = [name for name in PICKLE_FILES if (data / name).exists()]
+    if planted:
+        raise BadInput(f"{refuse}: it holds {', '.join(planted)} (a pickled model, which MLflow would load in "
+                       "preference to a pt2 program). A model ampflow logs as a pt2 program never holds one; if "
+                       "the run's model was logged pickled because it did not export to pt2, set `export.dtype` "
+                       "in the job to export at the end of training, from its checkpoint.")
+    if not (data / "model.pt2").is_file():
+        raise BadInput(f"{refuse}: it has no pt2 program ({data.name}/model.pt2).")
+
+
+@contextlib.contextmanager
+def _pickle_refused() -> Iterator[None]:
+    """MLflow's loaders refuse pickles meanwhile; `sys.path` is as it was afterwards."""
+    previous, path = os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION"), list(sys.path)
+    os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = "false"
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        if previous is None:
+            os.environ.pop("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", None)
+        else:
+            os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = previous

@@ -1,0 +1,157 @@
+"""`orchestrator.predict(run_id or model_uri, data)` and `ampflow predict`: a logged model runs over a batch or a
+dataset in the precision it was trained in (the run's policy and autocast, in eval mode, as its evaluation ran)
+or exported in, loaded without unpickling; a model logged pickled is refused."""
+
+import datetime
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from orchestrator.errors import BadInput
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """A run of the quickstart job under bf16 autocast, logged as ampflow logs one: its fp32 model `model` (a pt2
+    program, weights of a model that is not freshly initialised), its float16 export `model_float16`, and its
+    job. Returns (tracking URI, run id, job config, the fp32 weights)."""
+    from orchestrator.runner.export import cast_for_inference
+    from orchestrator.config import flatten, load_job, to_yaml
+    from orchestrator.tracking.tracker import RunTracker
+    from orchestrator.train.models import build_model
+
+    directory = tmp_path_factory.mktemp("predict")
+    uri = f"sqlite:///{directory / 'mlflow.db'}"
+    cfg = load_job(REPO / "jobs" / "quickstart.yaml", ["precision.preset=bf16-mixed"])
+    tracker = RunTracker.start(uri, cfg, run_name="predict", tags={}, params=flatten(cfg), config_yaml=to_yaml(cfg))
+    torch.manual_seed(1)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():  # BatchNorm statistics that are not the identity
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5), module.running_var.uniform_(0.5, 2.0)
+    example = np.zeros((2, 3, 32, 32), dtype=np.float32)
+    assert tracker.log_model(model, example) == "pt2"
+    exported = cast_for_inference(model, cfg.precision, torch.float16)
+    assert tracker.log_model(exported, example, name="model_float16") == "pt2"
+    tracker.finish("FINISHED")
+    return uri, tracker.run_id, cfg, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def trained_as_the_run_evaluates(cfg, weights):
+    """The job's model with the weights, prepared by the run's `Precision` as training prepares it."""
+    from orchestrator.precision import Precision
+    from orchestrator.train.models import build_model
+
+    model = build_model(cfg.model)
+    model.load_state_dict(weights)
+    precision = Precision(cfg.precision, CPU)
+    precision.prepare(model)
+    return model.eval(), precision
+
+
+def test_a_run_predicts_a_batch_as_it_was_trained_bf16_autocast_in_eval_mode(logged):
+    """Through `orchestrator.predict(...)`, also once `python -m orchestrator.predict`'s module is imported."""
+    import orchestrator
+    import orchestrator.predict  # noqa: F401
+    from orchestrator.train.models import build_model
+
+    uri, run_id, cfg, weights = logged
+    batch = torch.randn(5, 3, 32, 32)
+    outputs = orchestrator.predict(run_id, batch, tracking_uri=uri)
+    model, precision = trained_as_the_run_evaluates(cfg, weights)
+    with torch.no_grad(), precision.forward():
+        expected = model(batch)
+    assert outputs.dtype == torch.bfloat16 and outputs.device == CPU
+    assert torch.equal(outputs, expected)
+    fp32 = build_model(cfg.model)
+    fp32.load_state_dict(weights)
+    with torch.no_grad():
+        assert not torch.equal(outputs.float(), fp32.eval()(batch))  # not the fp32 model's outputs
+    assert torch.equal(orchestrator.predict(run_id, batch[:1], tracking_uri=uri), outputs[:1])  # no batch statistics
+
+
+def test_a_run_predicts_its_eval_split_and_any_dataset_in_order(logged):
+    from torch.utils.data import TensorDataset
+
+    from orchestrator.runner.predict import load
+    from orchestrator.train.data import build_datasets
+
+    uri, run_id, cfg, _ = logged
+    predictor = load(run_id, uri)
+    eval_set = build_datasets(cfg.data, cfg.model.num_classes)[1]
+    outputs = predictor.over("eval", batch_size=100)
+    assert outputs.shape == (len(eval_set), 10)
+    firsts = torch.stack([eval_set[i][0] for i in range(3)])
+    assert torch.equal(outputs[:3], predictor(firsts))
+    rows = torch.stack([eval_set[i][0] for i in range(7)])
+    assert torch.equal(predictor.over(TensorDataset(rows), batch_size=3), outputs[:7])  # (inputs,) items
+    with pytest.raises(BadInput, match="a tuple or list of tensors is ambiguous"):
+        predictor.over([rows, torch.zeros(7)])  # inputs and targets, or two inputs?
+
+
+def test_an_export_predicts_as_exported(logged):
+    from orchestrator import predict
+    from orchestrator.runner.export import cast_for_inference
+    from orchestrator.train.models import build_model
+
+    uri, run_id, cfg, weights = logged
+    batch = torch.randn(4, 3, 32, 32)
+    outputs = predict(f"runs:/{run_id}/model_float16", batch, tracking_uri=uri)
+    model = build_model(cfg.model)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        expected = cast_for_inference(model, cfg.precision, torch.float16)(batch)
+    assert outputs.dtype == expected.dtype == torch.float16
+    assert torch.equal(outputs, expected)
+
+
+def test_a_model_logged_pickled_is_refused_never_unpickled(logged, tmp_path):
+    import mlflow
+
+    from orchestrator import predict
+    from orchestrator.train.models import build_model
+
+    uri, run_id, cfg, _ = logged
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.pytorch.log_model(build_model(cfg.model), name="model_pickled", serialization_format="pickle",
+                                 pip_requirements=["torch"])
+    with pytest.raises(BadInput, match="cannot be loaded without unpickling it, and ampflow never unpickles a model"):
+        predict(f"runs:/{run_id}/model_pickled", torch.zeros(1, 3, 32, 32), tracking_uri=uri)
+
+
+def test_the_command_writes_predictions_and_refuses_bad_input_with_exit_2(logged, tmp_path, capsys):
+    from orchestrator.cli.ampflow import main
+    from orchestrator.runner.predict import load
+    from orchestrator.train.data import build_datasets
+
+    uri, run_id, cfg, _ = logged
+    torch.save(datetime.date(2026, 1, 1), tmp_path / "planted.pt")  # an object: only a pickle can hold it
+    np.save(tmp_path / "rows.npy", np.random.default_rng(0).standard_normal((6, 3, 32, 32), dtype=np.float32))
+
+    def predict(*args: str) -> tuple[int, str]:
+        code = main(["predict", *args, "--tracking-uri", uri])
+        return code, capsys.readouterr().err
+
+    assert predict(run_id, "--output", str(tmp_path / "eval.npy")) == (0, "")
+    eval_rows = len(build_datasets(cfg.data, cfg.model.num_classes)[1])
+    assert np.load(tmp_path / "eval.npy").shape == (eval_rows, 10)
+    assert predict(run_id, "--data", str(tmp_path / "rows.npy"), "--output", str(tmp_path / "rows.pt"),
+                   "--batch-size", "4") == (0, "")
+    rows = torch.load(tmp_path / "rows.pt", weights_only=True)
+    assert rows.shape == (6, 10) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, load(run_id, uri)(torch.from_numpy(np.load(tmp_path / "rows.npy"))))
+
+    for args, message in (
+            (["0123456789abcdef"], "0123456789abcdef: no logged model at runs:/0123456789abcdef/model"),
+            ([run_id, "--data", str(tmp_path / "planted.pt")], "--data: cannot read"),
+            ([run_id, "--data", "train"], "--data: train is neither 'eval' nor a .pt or .npy file")):
+        code, err = predict(*args, "--output", str(tmp_path / "x.pt"))
+        assert code == 2 and err.startswith("error: ") and message in err, err
+    assert predict(run_id, "--output", str(tmp_path / "x.csv"))[1].startswith("error: --output: ")
+    assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.csv").exists()
