@@ -164,7 +164,8 @@ def test_the_same_fp32_job_ends_at_the_same_weights_under_ddp_and_fsdp_with_half
     assert fsdp_end["memory/params_bytes"] == SIMPLE_CNN_PARAMS * 2
     assert fsdp_end["memory/rank0_state_bytes"] == fsdp_end["memory/rank1_state_bytes"] == 3 * SIMPLE_CNN_PARAMS * 2
     assert ddp_end["memory/rank1_state_bytes"] == 3 * SIMPLE_CNN_PARAMS * 4
-    assert fsdp_end["memory/activations/float32"] == ddp_end["memory/activations/float32"]  # a batch each, alike
+    activations = "memory/activations_float32_bytes"
+    assert fsdp_end[activations] == ddp_end[activations]  # a batch each, alike
 
     audit = {entry["name"]: entry for entry in fsdp["reports"][0].tables["precision/audit"]}
     assert audit["classifier.3"]["unit"] == "classifier" and audit["classifier.3"]["storage_dtype"] == "float32"
