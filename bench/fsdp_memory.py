@@ -38,7 +38,7 @@ def rank_main(rank: int, world_size: int, job: dict, directory: str) -> None:
     from orchestrator.train.fsdp_memory import predict_rank_bytes
     from orchestrator.train.fsdp_strategy import FsdpStrategy
     from orchestrator.train.local import exit_rank
-    from orchestrator.train.memory import bytes_by_dtype, optimizer_state_tensors
+    from orchestrator.precision.ledger import bytes_by_dtype, optimizer_state_tensors
     from orchestrator.train.models import build_model
     from orchestrator.train.optim import build_optimizer
     from orchestrator.train.step import train_step
@@ -52,7 +52,8 @@ def rank_main(rank: int, world_size: int, job: dict, directory: str) -> None:
     targets = torch.randint(0, cfg.model.num_classes, (cfg.run.batch_size,), generator=generator)
 
     torch.manual_seed(0)
-    training = build_training(cfg, cpu, rank=rank, world_size=world_size, total_steps=1)
+    as_ddp = OmegaConf.merge(cfg, {"scaling": {"strategy": "ddp"}})  # the job says fsdp: the baseline is DDP
+    training = build_training(as_ddp, cpu, rank=rank, world_size=world_size, total_steps=1)
     train_step(training, inputs, targets, cpu, 1)
     model, masters = training.prepared.raw, training.precision.masters
     pairs = masters.pairs if masters else []

@@ -194,5 +194,5 @@ def test_quickstart_on_cuda(tmp_path):
     assert figures["audit"] and figures["audit_mismatches"] == []
     assert {entry["param_dtype"] for entry in figures["audit"]} == {"float16"}
     memory = figures["memory"]
-    assert memory["memory/peak_bytes"] > 0 and memory["memory/peak_reserved_bytes/rank0"] >= memory["memory/peak_bytes"]
+    assert memory["memory/peak_bytes"] > 0 and memory["memory/rank0_peak_reserved_bytes"] >= memory["memory/peak_bytes"]
     assert figures["loss_scale_final"]["amp/loss_scale"] > 0

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from orchestrator.config import names, optim
 from orchestrator.config.imports import is_import_path
 from orchestrator.errors import BadInput
+from orchestrator.precision.dtypes import parse_dtype
 from orchestrator.precision.policy import Policy
 
 LINT_LEVELS = ("error", "warn", "off")
@@ -17,6 +18,7 @@ ON_NONFINITE_GRADS = ("skip", "fail", "warn")
 LOADERS = ("dataloader", "device")
 OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 COMM_HOOKS = ("none", "fp16", "bf16")
+STRATEGIES = ("ddp", "fsdp")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 WORKER_OUTPUT = ("rank0", "all", "none")
 # A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
@@ -70,6 +72,7 @@ def validate(cfg: DictConfig, source: str) -> None:
     shape = list(cfg.data.synthetic_shape)
     r(len(shape) >= 1 and all(d >= 1 for d in shape), "data.synthetic_shape",
       f"must be a list of sizes >= 1 (e.g. [3, 32, 32]), got {shape}.")
+    _check_strategy(cfg, r)
     r(cfg.ddp.bucket_cap_mb > 0, "ddp.bucket_cap_mb", f"must be > 0 MiB, got {cfg.ddp.bucket_cap_mb}.")
     r(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", f"unknown hook '{cfg.ddp.comm_hook}'. Use one of {', '.join(COMM_HOOKS)}.")
     r(cfg.perf.compile_backend in COMPILE_BACKENDS, "perf.compile_backend",
@@ -77,6 +80,7 @@ def validate(cfg: DictConfig, source: str) -> None:
 
     try:  # these raise BadInput naming their key; add the file
         Policy.from_config(cfg.precision)
+        parse_dtype(cfg.precision.reduce_dtype, "precision.reduce_dtype")
         names.check_dataset_name(cfg.data.name)
         names.check_model_name(cfg.model.name)
         names.check_task(cfg.task)
@@ -135,3 +139,19 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
     r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")
     r(cfg.failure.max_failures >= -1, "failure.max_failures", "must be >= 0, or -1 for unlimited.")
+
+
+def _check_strategy(cfg: DictConfig, r) -> None:
+    """`scaling.strategy` and what goes with it; what needs the model (the FSDP units) is pre-flight's."""
+    strategy = cfg.scaling.strategy
+    r(strategy in STRATEGIES, "scaling.strategy", f"unknown strategy '{strategy}'. Use one of {', '.join(STRATEGIES)}.")
+    for index, glob in enumerate(cfg.scaling.fsdp.wrap):
+        r(isinstance(glob, str) and glob.strip() != "", f"scaling.fsdp.wrap[{index}]",
+          "must be a glob on a module's class name (e.g. 'Block') or qualified name (e.g. 'layers.*'), not empty.")
+    r(strategy != "fsdp" or cfg.ddp.comm_hook == "none", "ddp.comm_hook",
+      f"'{cfg.ddp.comm_hook}' compresses DDP's all-reduce, which scaling.strategy fsdp does not use: FSDP "
+      "reduce-scatters gradients in precision.reduce_dtype. Set ddp.comm_hook: none (and precision.reduce_dtype: "
+      "bfloat16 to halve the bytes sent).")
+    r(strategy != "fsdp" or not cfg.perf.channels_last, "perf.channels_last",
+      "torch's FSDP2 shards contiguous parameters only, and channels-last convolution weights are not: with "
+      "scaling.strategy fsdp set perf.channels_last: false.")

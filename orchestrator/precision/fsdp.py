@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from orchestrator.errors import BadInput
-from orchestrator.precision.amp import dtype_name, parse_dtype
+from orchestrator.precision.dtypes import dtype_name, parse_dtype
 from orchestrator.precision.policy import Audit, LayerPlan, Policy, apply, broken_promises, mixed_norm_kernel, plan
 
 ROOT = "(model)"

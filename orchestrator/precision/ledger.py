@@ -9,7 +9,8 @@ Categories (the `memory/<category>_<dtype>_bytes` metrics and the summary CLI's 
   (counted above) and autocast's weight casts (below);
 - `weight_casts`: the half copies of fp32 weights that autocast made and autograd kept for backward
   (O1, bf16-mixed): real memory, but it scales with the model, not with the batch.
-Tensors that share storage are counted once, by their storage's full size.
+Tensors that share storage are counted once, by their storage's full size. Under FSDP a parameter, its gradient
+and its optimizer state are DTensors: this rank's shard of each is what is counted (the bytes this rank holds).
 """
 
 from collections import Counter
@@ -18,13 +19,20 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from orchestrator.precision.dtypes import dtype_name
 
 CATEGORIES = ("params", "grads", "optimizer", "master", "activations", "weight_casts")
 
+
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: its shard of a DTensor, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    storage = tensor.untyped_storage()
+    storage = _held(tensor).untyped_storage()
     return str(tensor.device), storage.data_ptr()
 
 
@@ -35,6 +43,7 @@ def bytes_by_dtype(tensors: Iterable[Optional[torch.Tensor]], exclude: frozenset
     for tensor in tensors:
         if tensor is None or tensor.device.type == "meta":
             continue
+        tensor = _held(tensor)
         key = _storage_key(tensor)
         if key in seen:
             continue
@@ -68,20 +77,28 @@ class ActivationProbe:
     @contextmanager
     def recording(self) -> Iterator[None]:
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            (self._casts if self._is_weight_cast(tensor) else self._saved).append(tensor)
+            if not self._is_param(tensor):
+                (self._casts if self._is_weight_cast(tensor) else self._saved).append(tensor)
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
 
     def _is_weight_cast(self, tensor: torch.Tensor) -> bool:
-        """A copy of a parameter in another dtype (or a view of one, e.g. a Linear's transposed weight)."""
+        """A copy of a parameter in another dtype (or a view of one, e.g. a Linear's transposed weight). Under FSDP
+        the parameter cast is the gathered one, a Parameter of FSDP's own rather than one of the model's."""
         base = tensor._base if tensor._base is not None else tensor
         node = base.grad_fn
         if node is None or type(node).__name__ != "ToCopyBackward0":
             return False
-        source = node.next_functions[0][0]
-        return id(getattr(source, "variable", None)) in self._param_ids
+        source = getattr(node.next_functions[0][0], "variable", None)
+        return id(source) in self._param_ids or isinstance(source, nn.Parameter)
+
+    @staticmethod
+    def _is_param(tensor: torch.Tensor) -> bool:
+        """A parameter (or a view of one) saved as it is: counted with the parameters, not as an activation. Under
+        FSDP it is the gathered parameter (a Parameter of FSDP's own), which lives only around its unit's passes."""
+        return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
     def activations(self) -> dict[str, int]:
         return bytes_by_dtype(self._saved, exclude=self._param_storages)
@@ -121,7 +138,11 @@ class MemoryLedger:
         self.bytes["grads"] = bytes_by_dtype(p.grad for p in self.model.parameters())
 
     def record_state(self, optimizer: torch.optim.Optimizer, masters=None) -> None:
-        """After the first step the optimizer really took: its state, and the fp32 masters."""
+        """After the first step the optimizer really took: its state, and the fp32 masters; and the gradients if
+        the first backward left none where the optimizer reads them (FSDP accumulating: they are reduce-scattered
+        into this rank's shards by the step's last backward)."""
+        if not self.bytes.get("grads"):
+            self.bytes["grads"] = bytes_by_dtype(p.grad for p in self.model.parameters())
         self.bytes["optimizer"] = bytes_by_dtype(optimizer_state_tensors(optimizer))
         pairs = masters.pairs if masters else []
         self.bytes["master"] = bytes_by_dtype([m for _, m in pairs] + [m.grad for _, m in pairs])

@@ -15,16 +15,17 @@ audit of what each layer really ran in, and the memory ledger of the first step.
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from orchestrator.precision.amp import autocast_context
+from orchestrator.precision.fsdp import FsdpAudit, broken_fsdp_promises
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
-from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome
+from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome, clip
 
 
 class PolicyNotHonoured(RuntimeError):
@@ -75,6 +76,18 @@ class Precision:
         self.named_tensors = list(zip(names, self.optimizer_params()))
         return model
 
+    def prepare_sharded(self, model: nn.Module, audit: FsdpAudit,
+                        named_tensors: Sequence[tuple[str, Any]]) -> nn.Module:
+        """Under FSDP: `model` was planned, cast and sharded by the strategy (`orchestrator.train.fsdp_strategy`),
+        which started `audit`. No masters (the fp32 shards are); the ledger counts this rank's shards;
+        `named_tensors` give this rank's gradient shards by name (the overflow log, fault drills)."""
+        self.masters = None
+        self.audit = audit
+        self.ledger = MemoryLedger(model)
+        self.model = model
+        self.named_tensors = list(named_tensors)
+        return model
+
     def optimizer_params(self) -> Iterator[torch.Tensor]:
         """What the optimizer steps: the fp32 master where there is one, else the parameter."""
         return self.masters.optimizer_params(self.model) if self.masters else self.model.parameters()
@@ -104,10 +117,12 @@ class Precision:
             self.masters.grads_to_masters()
 
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int,
-             clip_grad_norm: Optional[float] = None) -> StepOutcome:
+             clip_grad_norm: Optional[float] = None,
+             clip_with: Callable[[torch.optim.Optimizer, Optional[float]], Optional[torch.Tensor]] = clip
+             ) -> StepOutcome:
         """Step or skip, the same on every rank (gradients unscaled, then clipped to `clip_grad_norm` on a step
-        that is taken); after a step the masters are rounded back into the model."""
-        outcome = self.guard.step(optimizer, loss, step, self.named_tensors, clip_grad_norm)
+        that is taken, by `clip_with`: the strategy's); after a step the masters are rounded back into the model."""
+        outcome = self.guard.step(optimizer, loss, step, self.named_tensors, clip_grad_norm, clip_with)
         if outcome.stepped:
             if self.masters:
                 self.masters.masters_to_params()
@@ -126,8 +141,9 @@ class Precision:
         and after). Raises PolicyNotHonoured when a layer broke its promise."""
         if self.audit is None or not self.audit.outputs:
             return None
-        entries, self.audit = self.audit.close(), None
-        problems = broken_promises(entries)
+        audit, self.audit = self.audit, None
+        entries = audit.close()
+        problems = broken_fsdp_promises(entries) if isinstance(audit, FsdpAudit) else broken_promises(entries)
         if problems:
             raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
         return entries

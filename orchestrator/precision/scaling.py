@@ -15,7 +15,7 @@
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,11 +121,14 @@ class GuardedScaler:
         return self.scaler.scale(loss)
 
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, step: int,
-             named_tensors: Sequence[tuple[str, torch.Tensor]], clip_grad_norm: Optional[float] = None) -> StepOutcome:
+             named_tensors: Sequence[tuple[str, torch.Tensor]], clip_grad_norm: Optional[float] = None,
+             clip_with: Callable[[torch.optim.Optimizer, Optional[float]], Optional[torch.Tensor]] = clip
+             ) -> StepOutcome:
         """Step or skip, the same on every rank. `named_tensors`: the optimizer's tensors by parameter name.
 
         `clip_grad_norm`: clip the optimizer's gradients (the fp32 masters' where there are masters) to this
-        total norm, as torch.amp's recipe says: after unscaling, and only on a step that is taken.
+        total norm, as torch.amp's recipe says: after unscaling, and only on a step that is taken. `clip_with`
+        clips and returns the norm as a plain tensor (under FSDP: the norm over every rank's shards).
         """
         self.counters.epoch_steps += 1
         if self.scaler.is_enabled():
@@ -166,7 +169,7 @@ class GuardedScaler:
             self.counters.clean_streak = 0
             return StepOutcome(stepped=False, overflow=True, collapse=self._collapse_reason())
 
-        grad_norm = clip(optimizer, clip_grad_norm)  # unscaled above, and finite on every rank
+        grad_norm = clip_with(optimizer, clip_grad_norm)  # unscaled above, and finite on every rank
         optimizer.step()
         if self.scaler.is_enabled():
             self.scaler.update()

@@ -3,8 +3,9 @@
 For each `checkpoint_*` directory of `<storage_path>/<run name>`, newest first, the driver reads only the small
 files: `ampflow_checkpoint.json` (the checkpoint's facts, `orchestrator.train.resume.CheckpointFacts`), which
 rank 0's manifest vouches for, and the manifests of every rank the checkpoint was written by (a checkpoint
-missing one is incomplete and skipped, as the workers skip it). That works the same on a local path and on a
-storage URI (pyarrow's filesystems, as the run record is read). A checkpoint written before the facts were
+missing one is incomplete and skipped, as the workers skip it; a sharded, FSDP, checkpoint's manifests list their
+files under `files`). That works the same on a local path and on a storage URI (pyarrow's filesystems, as the run
+record is read). A checkpoint written before the facts were
 recorded is read whole from a local path (`torch.load(weights_only=True)`, every hash checked) and not at all
 from a URI, where its train state may be large.
 """
@@ -52,12 +53,14 @@ def _stored(filesystem, directory: str, local: bool) -> Optional[StoredCheckpoin
         manifest = json.loads(manifest_text) if manifest_text is not None else None
     except ValueError:
         manifest = None
-    if not isinstance(manifest, dict) or STATE_FILE not in manifest:
+    sharded = isinstance(manifest, dict) and manifest.get("strategy") == "fsdp"
+    files = manifest.get("files") if sharded else manifest  # an FSDP manifest lists its files under "files"
+    if not isinstance(files, dict) or STATE_FILE not in files:
         return None
-    if FACTS_FILE not in manifest:  # written before checkpoints carried their facts
-        return _older(directory) if local else StoredCheckpoint(directory, None)
+    if FACTS_FILE not in files:  # written before checkpoints carried their facts
+        return _older(directory) if local and not sharded else StoredCheckpoint(directory, None)
     text = _read(filesystem, f"{directory}/{FACTS_FILE}")
-    if text is None or hashlib.sha256(text).hexdigest() != manifest[FACTS_FILE]:
+    if text is None or hashlib.sha256(text).hexdigest() != files[FACTS_FILE]:
         return None
     try:
         facts = CheckpointFacts.from_json(json.loads(text))

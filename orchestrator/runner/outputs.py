@@ -79,12 +79,12 @@ def chosen_checkpoint(cfg: DictConfig, result, tracker):
 def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
     """The job's model with the checkpoint's fp32 weights, in eval mode (what is logged and exported predicts:
     batch statistics never leak into a prediction), and the checkpoint's train state. NonFiniteModel when the
-    weights are not finite."""
-    from orchestrator.train.checkpoint import load_final_state
+    weights are not finite. Under FSDP the weights are read whole from the checkpoint's shards here, on the
+    driver."""
+    from orchestrator.train.strategy import load_trained_weights
 
-    state = load_final_state(checkpoint)
     model = models.build_model(cfg.model)
-    model.load_state_dict(state.model)
+    state = load_trained_weights(checkpoint, model)
     problem = model_nonfinite(model)
     if problem:  # never logged nor exported
         raise NonFiniteModel(f"its weights are not finite ({problem})")

@@ -3,9 +3,9 @@ before Ray starts, an MLflow run exists or anything reaches a cluster.
 
 In order: the data can be had, the model builds (on the CPU here) and takes the data's samples (which
 also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
-precision lint, this machine can hold the workers, and which run it is (a new name that is not taken, or the
-interrupted run `--resume` continues, checked against its newest checkpoint: `orchestrator.train.resume`).
-The config itself was checked when it was loaded.
+precision lint, the FSDP units (`scaling.strategy: fsdp`), this machine can hold the workers, and which run
+it is (a new name that is not taken, or the interrupted run `--resume` continues, checked against its newest
+checkpoint: `orchestrator.train.resume`). The config itself was checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -58,7 +58,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     `configs`: the job's resolved config, or a sweep's, one per point of its grid (the first is the base).
     """
     from orchestrator.runner.remote import is_job_server_address
-    from orchestrator.train import data, models
+    from orchestrator.train import data, models, strategy
 
     to_job_server = is_job_server_address(address)
     built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
@@ -77,6 +77,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
             check_metric_names(cfg, evaluated[what])
         check_optimizer(cfg, built[what], warned)
         check_lint(cfg, built[what])
+        strategy.check_plan(cfg, built[what])  # scaling.strategy fsdp: the units and their policies can be planned
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
             check_local_capacity(cfg)

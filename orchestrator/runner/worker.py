@@ -2,9 +2,10 @@
 
 The adapter adds nothing to the training: rank, world size and device come from Ray Train's
 context, reports and checkpoints go to `ray.train.report`, the checkpoints to resume from are Ray
-Train's newest and the older ones beside it in the run's storage, and the model is wrapped by
-Ray Train's `prepare_model` with the job's DDP knobs. The controller-side relay turns the reports
-into MLflow (`orchestrator.tracking`).
+Train's newest and the older ones beside it in the run's storage, and under DDP the model is wrapped by
+Ray Train's `prepare_model` with the job's DDP knobs (under `scaling.strategy: fsdp` the loop shards it
+with FSDP2's `fully_shard` itself, not with Ray's FSDP1 `prepare_model(parallel_strategy="fsdp")`). The
+controller-side relay turns the reports into MLflow (`orchestrator.tracking`).
 """
 
 from pathlib import Path
@@ -85,4 +86,4 @@ def train_loop(config: dict[str, Any]) -> None:
     session = RaySession()
     with forwarded_output(config.get("relay"), session.rank, cfg.run.worker_output):
         TrainingLoop(cfg, session, run_id=config.get("run_id"), launched_at=config.get("launched_at"),
-                     wrap=prepare).run()
+                     wrap=prepare if cfg.scaling.strategy == "ddp" else None).run()

@@ -214,11 +214,3 @@ def load_newest_valid(candidates: Sequence[Candidate], rank: int,
                         + "; falling back to the one before it.")
     raise CorruptCheckpoint(f"no usable checkpoint in {candidates[0][0].rsplit('/', 1)[0]}: "
                             + " ".join(warnings) + " Start the job afresh (without --resume) or restore the files.")
-
-
-def load_final_state(checkpoint) -> TrainState:
-    """The (verified) train state of a checkpoint, e.g. the run's final one (anything with `as_directory()`, as
-    Ray Train's Checkpoint): its fp32 model weights, the input shape it was trained on, ..."""
-    with checkpoint.as_directory() as directory:
-        return read_checkpoint(Path(directory), rank=0)
-

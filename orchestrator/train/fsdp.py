@@ -121,9 +121,11 @@ class LocalShards(Sequence):
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state in fp32 on rank 0's CPU (gathered from every rank: a collective); {} on the other
     ranks. Under master weights the shards are the fp32 masters, so the values are exact. Its keys are the plain
-    model's: `load_state_dict` of an unsharded copy takes it."""
+    model's: `load_state_dict` of an unsharded copy takes it. Copies: training goes on without changing them."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
+    # Copies: on a single rank (and for buffers) the gathered values are the live CPU tensors themselves.
+    return {key: value.detach().to(torch.float32 if value.is_floating_point() else value.dtype, copy=True)
+            for key, value in state.items()}
 
 
 def load_full_state_dict(model: nn.Module, state: Optional[dict[str, torch.Tensor]]) -> None:

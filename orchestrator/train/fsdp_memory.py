@@ -1,7 +1,7 @@
 """Memory per rank under FSDP: what this rank holds of the parameters, gradients and optimizer state, measured on its
 shards, and the same figures predicted from the model and the plan (`orchestrator.summary --strategy fsdp`).
 
-Both speak the memory ledger's language (`{category: {dtype: bytes}}`, metrics `memory/<category>/<dtype>`):
+Both speak the memory ledger's language (`{category: {dtype: bytes}}`, metrics `memory/<category>_<dtype>_bytes`):
 - `params`: this rank's shards, in their storage dtype (fp32 under master weights: they are the masters, so
   there is no `master` category under FSDP). FSDP pads each parameter's first dimension to a multiple of the
   world size: every rank stores ceil(rows / N) rows of each;
@@ -17,10 +17,10 @@ from typing import Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from orchestrator.precision.amp import dtype_name
+from orchestrator.precision.dtypes import dtype_name
 from orchestrator.precision.fsdp import FsdpPlan
 from orchestrator.train.fsdp import local
-from orchestrator.train.memory import bytes_by_dtype, optimizer_state_tensors
+from orchestrator.precision.ledger import bytes_by_dtype, optimizer_state_tensors
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
 
@@ -37,8 +37,8 @@ def rank_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
 
 
 def metrics(measured: Mapping[str, Mapping[str, int]]) -> dict[str, float]:
-    """`memory/<category>/<dtype>` (the memory ledger's metric names)."""
-    return {f"memory/{category}/{dtype}": float(size)
+    """`memory/<category>_<dtype>_bytes` (the memory ledger's metric names)."""
+    return {f"memory/{category}_{dtype}_bytes": float(size)
             for category, per_dtype in measured.items() for dtype, size in per_dtype.items()}
 
 

@@ -7,6 +7,11 @@ differently from DDP, behind the methods a DDP strategy has too (see docs/precis
     with strategy.no_sync():                           # each non-final micro-step
         ...backward...
     outcome = guard.step(optimizer, loss, step, strategy.named_tensors, ...)
+
+The training loop reaches it through `orchestrator.train.strategy` (`scaling.strategy: fsdp`), which gives DDP the same
+methods: `prepare` (the build: `wrap` under the `Precision` object), `named_optimizer_params`, `load_weights` /
+`load_state`, `checkpoint_state` / `snapshot_state` (what a checkpoint's train_state.pt holds, and what a rollback or
+a promotion rebuilds from), `load_shards`.
 """
 
 from contextlib import AbstractContextManager
@@ -16,10 +21,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from orchestrator.precision import Precision
 from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, prepare
 from orchestrator.precision.policy import LayerPlan, Policy
 from orchestrator.train import fsdp, fsdp_memory, sharded_checkpoint
 from orchestrator.train.checkpoint import Candidate
+from orchestrator.train.state import TrainState
 
 
 class FsdpStrategy:
@@ -31,6 +38,10 @@ class FsdpStrategy:
         self.plans: dict[str, LayerPlan] = {}
         self.plan: Optional[FsdpPlan] = None
 
+    @classmethod
+    def from_config(cls, cfg: Any, device: torch.device, rank: int, world_size: int) -> "FsdpStrategy":
+        return cls(FsdpSettings.from_config(cfg.scaling, cfg.precision), device, rank, world_size)
+
     # -- the model ----------------------------------------------------------------------------------------
 
     def wrap(self, model: nn.Module, policy: Policy) -> tuple[nn.Module, FsdpAudit]:
@@ -41,9 +52,21 @@ class FsdpStrategy:
         self.model = fsdp.shard(model, self.plan, self.device)
         return self.model, FsdpAudit(model, policy, self.plans, self.plan)
 
+    def prepare(self, model: nn.Module, precision: Precision) -> nn.Module:
+        """The training build's step from an fp32 model (on the device, rank 0's weights on every rank) to the one
+        the loop calls: `wrap` under `precision`'s policy, the audit and ledger handed to `precision`."""
+        model, audit = self.wrap(model, precision.policy)
+        precision.prepare_sharded(model, audit, self.named_tensors)
+        return model
+
     def optimizer_params(self) -> Iterator[torch.Tensor]:
         """What the optimizer steps: this rank's shards (fp32 under master weights)."""
         return self.model.parameters()
+
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's tensors by parameter name (`optim.param_groups` match these names): the sharded
+        parameters."""
+        return list(self.model.named_parameters())
 
     @property
     def named_tensors(self) -> fsdp.LocalShards:
@@ -62,6 +85,35 @@ class FsdpStrategy:
 
     # -- state ----------------------------------------------------------------------------------------------
 
+    def load_weights(self, model: nn.Module, state: TrainState) -> None:
+        """Before `prepare`: nothing (a state's weights are shards, loaded into the sharded model by `load_state`)."""
+
+    def load_state(self, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+        """After the optimizer is built: a `snapshot_state`'s shards into the model and optimizer (a checkpoint's
+        train state holds none: its shards are loaded by `load_shards`). The units may differ from the snapshot's
+        (a promotion): each parameter is sharded the same way whatever its unit, so the shards load as they are."""
+        if state.model:
+            self.model.load_state_dict(state.model)
+        if state.optimizer:
+            optimizer.load_state_dict(state.optimizer)
+
+    def checkpoint_state(self, precision: Precision, optimizer: torch.optim.Optimizer
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model and optimizer in a checkpoint's train_state.pt: none (the shards go to `sharded/`, through
+        `staged_checkpoint`)."""
+        return {}, {}
+
+    def snapshot_state(self, precision: Precision, optimizer: torch.optim.Optimizer
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's shards of the model and its optimizer state (aliasing the live ones), for a rebuild in this
+        process (`on_collapse`). The optimizer's own state dict, not torch.distributed's: that one would first step
+        an optimizer without state."""
+        return self.model.state_dict(), optimizer.state_dict()
+
+    def load_shards(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        """A verified sharded checkpoint's shards into the model and optimizer (a collective)."""
+        sharded_checkpoint.load_shards(directory, self.model, optimizer)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 weights and buffers on rank 0's CPU ({} elsewhere): the logged model, export, a DDP resume."""
         return fsdp.full_state_dict(self.model)
@@ -70,11 +122,12 @@ class FsdpStrategy:
         fsdp.load_full_state_dict(self.model, state)
 
     def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int) -> AbstractContextManager[Path]:
-        """This rank's part of a checkpoint (the shards, and `shared` on rank 0, `own` on every rank) in a staging
-        directory to report. A collective."""
+                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
+                          ) -> AbstractContextManager[Path]:
+        """This rank's part of a checkpoint (the shards, and `shared` and `facts` on rank 0, `own` on every rank) in
+        a staging directory to report. A collective."""
         return sharded_checkpoint.staged_sharded_checkpoint(self.rank, self.world_size, self.model, optimizer,
-                                                            shared, own, step)
+                                                            shared, own, step, facts)
 
     def load_newest_valid(self, candidates: Sequence[Candidate], optimizer: torch.optim.Optimizer,
                           agree: Optional[Callable[[bool], bool]] = None):
@@ -87,5 +140,5 @@ class FsdpStrategy:
     # -- memory ----------------------------------------------------------------------------------------------
 
     def memory(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, dict[str, int]]:
-        """This rank's bytes of parameters, gradients and optimizer state (`memory/<category>/<dtype>`)."""
+        """This rank's bytes of parameters, gradients and optimizer state (`memory/<category>_<dtype>_bytes`)."""
         return fsdp_memory.rank_bytes(self.model, optimizer)

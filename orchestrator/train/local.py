@@ -63,14 +63,16 @@ def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, 
     cfg = OmegaConf.create(job)
     use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)  # as Ray Train does: NCCL and FSDP's device mesh use the current device
     dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"file://{directory}/rendezvous",
                             rank=rank, world_size=world_size)
     try:
         session = LocalSession(rank, world_size, device, Path(directory) / "checkpoints")
         training = TrainingLoop(cfg, session).run()
+        weights = training.full_state_dict()  # under FSDP gathered to rank 0: every rank takes part
         if rank == 0:
-            torch.save({"reports": [report.to_wire() for report in session.reports],
-                        "weights": training.precision.fp32_state_dict()}, result)
+            torch.save({"reports": [report.to_wire() for report in session.reports], "weights": weights}, result)
     finally:
         dist.destroy_process_group()
     exit_rank()

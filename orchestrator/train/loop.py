@@ -28,9 +28,7 @@ from orchestrator.precision import NothingTrained
 from orchestrator.train import rng
 from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
-from orchestrator.train.checkpoint import (
-    Candidate, NonFiniteState, dir_name, load_newest_valid, remove_stale_staging, staged_checkpoint,
-)
+from orchestrator.train.checkpoint import Candidate, NonFiniteState, dir_name, remove_stale_staging
 from orchestrator.train.collectives import all_agree, all_gather, all_reduce
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.ddp import Wrap
@@ -51,6 +49,7 @@ from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
 from orchestrator.train.stopping import EarlyStopping
+from orchestrator.train.strategy import resume
 from orchestrator.train.training import Training, build_training
 from orchestrator.train.window import Window
 
@@ -87,7 +86,8 @@ class TrainingLoop:
     def __init__(self, cfg, session: Session, *, run_id: Optional[str] = None, launched_at: Optional[float] = None,
                  wrap: Optional[Wrap] = None, hooks: Sequence[Any] = ()):
         """`run_id`: the MLflow run (kept in checkpoints). `launched_at`: when submit began (wall clock), for
-        `perf/time_to_first_step_s`. `wrap`: how the model is wrapped for data parallelism (default: DDP).
+        `perf/time_to_first_step_s`. `wrap`: how the model is wrapped under DDP (default: torch's; `scaling.strategy:
+        fsdp` shards it instead).
         `hooks`: more hooks (objects with hook methods, `orchestrator.train.hooks`), run after the built-in ones
         and before the job's `callbacks`."""
         self.cfg, self.session, self.run_id, self.wrap = cfg, session, run_id, wrap
@@ -104,16 +104,12 @@ class TrainingLoop:
         self.steps_per_epoch = self.layout.steps_per_epoch
 
         # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
-        # under this job (or IncompatibleResume), then the model under its precision, the optimizer, the schedule
-        # and the loss scaler, built from it.
-        state, self.resume_warnings = load_newest_valid(session.checkpoints(), self.rank,
-                                                        lambda ok: all_agree(ok, self.device))
-        resumed = check_resume(CheckpointFacts.of_state(state), self.layout, f"the checkpoint of step "
-                               f"{state.global_step}") if state is not None else None
-        self.total_steps = resumed.total_steps if resumed is not None else self.layout.total_steps
-        self.layout = replace(self.layout, total_steps=self.total_steps)
+        # under this job (or IncompatibleResume), and the model under its precision and strategy, the optimizer,
+        # the schedule and the loss scaler, built from it (`build_resumed`).
+        self.total_steps, self.resumed = self.layout.total_steps, None
         self.attempt = int(all_reduce([time.time() * 1000 if self.rank == 0 else 0.0], self.device)[0])
-        self.training = self.build(state)
+        state, self.resume_warnings, self.training = resume(cfg, session.checkpoints(), self.rank, self.world_size,
+                                                            self.device, self.build_resumed)
         self.window = Window(self.device)
         stopping = cfg.run.early_stopping
         self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
@@ -131,7 +127,7 @@ class TrainingLoop:
         """The first batch's inputs and the dims that vary between batches, kept in checkpoints for the logged
         model's signature and example."""
         self.checkpoint_report: Optional[dict[str, Any]] = None
-        self.start_epoch, self.start_batches = self.resume(state, resumed)
+        self.start_epoch, self.start_batches = self.resume(state, self.resumed)
 
     # -- training -----------------------------------------------------------------------------------
 
@@ -262,9 +258,13 @@ class TrainingLoop:
                     early_stopping=self.stopping.state() if self.stopping is not None else None,
                     sample_shape=self.input_example.sample_shape(),
                     input_example=self.input_example.state(), layout=self.layout.to_dict())
-                shared, facts = state.to_files()[0], CheckpointFacts.of_state(state).to_json()
+                checked = CheckpointFacts.of_state(state)
+                if not state.model:  # FSDP: the weights are in the shards; the facts keep their whole shapes
+                    checked.model_shapes = self.training.model_shapes()
+                shared, facts = state.to_files()[0], checked.to_json()
             name = dir_name(self.global_step, self.attempt)
-            with staged_checkpoint(self.rank, shared, asdict(own), self.global_step, facts=facts) as directory:
+            with self.training.strategy.staged_checkpoint(self.training.optimizer, shared, asdict(own),
+                                                          self.global_step, facts) as directory:
                 self.hooks.call("on_checkpoint", self, directory, name)
                 self.session.report(report.to_wire(), directory, name)
         self.window.exclude_since(began)
@@ -291,6 +291,16 @@ class TrainingLoop:
         a promotion)."""
         return build_training(self.cfg, self.device, rank=self.rank, world_size=self.world_size,
                               total_steps=self.total_steps, state=state, wrap=self.wrap)
+
+    def build_resumed(self, state: Optional[TrainState]) -> Training:
+        """`build` for the run's start: first where `state` (the checkpoint resumed, None afresh) goes on under this
+        job, or IncompatibleResume; that decides the run's total steps, which the schedule is built for."""
+        job = Layout.of(self.cfg, self.layout.train_samples, self.world_size)
+        self.resumed = check_resume(CheckpointFacts.of_state(state), job, f"the checkpoint of step "
+                                    f"{state.global_step}") if state is not None else None
+        self.total_steps = self.resumed.total_steps if self.resumed is not None else job.total_steps
+        self.layout = replace(job, total_steps=self.total_steps)
+        return self.build(state)
 
     def resume(self, state: Optional[TrainState], resumed: Optional[Resumed]) -> tuple[int, int]:
         """Exactly where the checkpoint left off (position as `check_resume` placed it under this job, RNG, the

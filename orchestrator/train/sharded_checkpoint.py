@@ -14,7 +14,12 @@ all-reduce) before any of them loads. Loading unpickles nothing: DCP's metadata 
 that builds only DCP's own metadata classes, its non-tensor items (param groups) load with
 `torch.load(weights_only=True)`, as DCP itself loads its tensors. The values are copied byte for byte into
 the live shards, so a resumed run goes on bit-identically (with the same world size: another world size
-reshards, exactly too).
+reshards, exactly too). An optimizer that has not stepped yet (every step so far skipped by the loss scaler)
+has no state to save: the checkpoint then holds the model alone and a resume starts the optimizer afresh, as
+it is (asking torch for its state would first create it, stepping it once at learning rate 0).
+
+`read_full_model` reads the whole model back in one process without a process group (the driver: the logged
+MLflow model and the export come from the shards).
 """
 
 import hashlib
@@ -23,6 +28,7 @@ import json
 import os
 import pickle
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -36,10 +42,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
-from orchestrator.train.checkpoint import (STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint, manifest_file,
-                                           rank_file, write_failure)
+from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
+                                           manifest_file, rank_file, write_failure)
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
@@ -107,15 +114,16 @@ class _SafePlanner(DefaultLoadPlanner):
 
 def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model: nn.Module,
                              optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]], own: dict[str, Any],
-                             save: Callable[[Any, Path], None] = torch.save) -> None:
-    """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata and `shared`, each its
-    `own` part; then each its manifest, last. Buffers are rank 0's on every rank first (as the next forward would
+                             save: Callable[[Any, Path], None] = torch.save,
+                             facts: Optional[dict[str, Any]] = None) -> None:
+    """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata, `shared` and `facts`
+    (`ampflow_checkpoint.json`, what the driver reads before a resume), each its `own` part; then each its
+    manifest, last. Buffers are rank 0's on every rank first (as the next forward would
     make them), so whichever rank's copy DCP keeps, it is rank 0's."""
     directory = Path(directory)
     broadcast_buffers(model)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state},
+        dcp.save(_live_state(model, optimizer, stepped=bool(optimizer.state)),
                  storage_writer=FileSystemWriter(directory / SHARDED_DIR, sync_files=True))
     except CheckpointException as exc:  # a BaseException: turned into what the caller handles
         rank_failed, failure = _first_failure(exc)
@@ -127,11 +135,22 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
         files.append(METADATA)
         _save_atomically(shared if shared is not None else {}, directory / STATE_FILE, save)
         files.append(STATE_FILE)
+        if facts is not None:
+            _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
+            files.append(FACTS_FILE)
     _save_atomically(own, directory / rank_file(rank), save)
     files.append(rank_file(rank))
     manifest = {"strategy": STRATEGY, "world_size": world_size,
                 "files": {name: _sha256(directory / name) for name in files}}
     (directory / manifest_file(rank)).write_text(json.dumps(manifest))
+
+
+def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer, stepped: bool) -> dict[str, Any]:
+    """The live model's (and, once the optimizer has state, the optimizer's) sharded state dicts, by FQN."""
+    if not stepped:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def _first_failure(exc: CheckpointException) -> tuple[int, BaseException]:
@@ -148,13 +167,14 @@ def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) ->
 
 @contextmanager
 def staged_sharded_checkpoint(rank: int, world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              shared: Optional[dict[str, Any]], own: dict[str, Any], step: int) -> Iterator[Path]:
+                              shared: Optional[dict[str, Any]], own: dict[str, Any], step: int,
+                              facts: Optional[dict[str, Any]] = None) -> Iterator[Path]:
     """This rank's part of a sharded checkpoint in a temporary directory, yielded to be reported (Ray Train, or
     the Ray-free session, merges every rank's directory into one). A failed write raises CheckpointWriteError on
     the rank that failed (DCP's own write failures on every rank), and nothing of it is kept."""
     with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-") as tmp:
         try:
-            write_sharded_checkpoint(Path(tmp), rank, world_size, model, optimizer, shared, own)
+            write_sharded_checkpoint(Path(tmp), rank, world_size, model, optimizer, shared, own, facts=facts)
         except OSError as exc:
             raise write_failure(exc, f"the sharded checkpoint of step {step} on rank {rank}") from exc
         yield Path(tmp)
@@ -202,24 +222,64 @@ def verify_sharded_checkpoint(directory: Path, rank: int, world_size: int) -> No
         raise CorruptCheckpoint(f"{METADATA} is not DCP metadata ({exc})") from None
 
 
-def read_sharded_checkpoint(directory: Path, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer
-                            ) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+def load_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank (a collective), after `verify_sharded_checkpoint` passed on all: load the shards into the live
-    model and optimizer; returns (train_state.pt's dict, this rank's own dict or None if it wrote none)."""
+    model and optimizer (an optimizer the checkpoint holds no state of is left as it is: it had not stepped)."""
     directory = Path(directory)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        saved = read_metadata(directory / METADATA).state_dict_metadata
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{directory.name}: the shards could not be loaded ({type(exc).__name__}: "
+                                f"{exc})") from None
+    stepped = any(key.startswith("optimizer.") for key in saved)
+    state = _live_state(model, optimizer, stepped)
     try:
         dcp.load(state, storage_reader=_SafeReader(directory / SHARDED_DIR), planner=_SafePlanner())
     except CheckpointException as exc:  # a BaseException, the same on every rank
         rank_failed, failure = _first_failure(exc)
         raise CorruptCheckpoint(f"{directory.name}: the shards could not be loaded (rank {rank_failed}: "
                                 f"{type(failure).__name__}: {failure})") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if stepped:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(model, state["model"])
+
+
+def read_rank_files(directory: Path, rank: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """(train_state.pt's dict, this rank's own dict or None if it wrote none), as `verify_sharded_checkpoint` vouched
+    for them."""
     shared = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
     own_file = directory / rank_file(rank)
     own = torch.load(own_file, map_location="cpu", weights_only=True) if own_file.is_file() else None
     return shared, own
+
+
+def read_sharded_checkpoint(directory: Path, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer
+                            ) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """Every rank (a collective), after `verify_sharded_checkpoint` passed on all: load the shards into the live
+    model and optimizer; returns (train_state.pt's dict, this rank's own dict or None if it wrote none)."""
+    load_shards(Path(directory), model, optimizer)
+    return read_rank_files(Path(directory), rank)
+
+
+def read_full_model(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model of a sharded checkpoint, in this process alone (no process group: the driver), as a state
+    dict for `model` (its plain, unsharded form): floating tensors in fp32 (the shards' values, exact under master
+    weights), the others in their own dtype. Verify the checkpoint first (`verify_sharded_checkpoint(directory, 0,
+    1)` hashes every file)."""
+    directory = Path(directory)
+    state = {key: torch.empty(value.shape, dtype=torch.float32 if value.is_floating_point() else value.dtype)
+             for key, value in model.state_dict().items()}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, as asked
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, storage_reader=_SafeReader(directory / SHARDED_DIR), planner=_SafePlanner(),
+                     no_dist=True)
+    except CheckpointException as exc:
+        _, failure = _first_failure(exc)
+        raise CorruptCheckpoint(f"{directory.name}: the model could not be read from the shards "
+                                f"({type(failure).__name__}: {failure})") from None
+    return state
 
 
 def load_newest_valid_sharded(candidates: Sequence[Candidate], rank: int, world_size: int, model: nn.Module,
@@ -227,16 +287,31 @@ def load_newest_valid_sharded(candidates: Sequence[Candidate], rank: int, world_
                               ) -> tuple[Optional[tuple[dict[str, Any], Optional[dict[str, Any]]]], list[str]]:
     """The newest checkpoint that is valid on every rank, loaded into `model` and `optimizer`, and a warning for
     each one skipped. `agree(ok)`: whether every rank found its share valid (an all-reduce in training)."""
+    def use(directory: Path, files):
+        load_shards(directory, model, optimizer)
+        return files
+
+    return newest_valid_sharded(candidates, rank, world_size, lambda directory: read_rank_files(directory, rank),
+                                use, agree)
+
+
+def newest_valid_sharded(candidates: Sequence[Candidate], rank: int, world_size: int, read: Callable[[Path], Any],
+                         use: Callable[[Path, Any], Any], agree: Callable[[bool], bool] = lambda ok: ok
+                         ) -> tuple[Any, list[str]]:
+    """The newest checkpoint every rank verified (`verify_sharded_checkpoint`, then `read(directory)` on each rank,
+    whose CorruptCheckpoint or ValueError counts against it too), used while it is open: `use(directory, read's
+    result)` on every rank (a collective). Returns what `use` returned (None without candidates) and a warning for
+    each checkpoint skipped."""
     warnings = []
     for where, open_directory in candidates:
         with open_directory() as directory:
             try:
                 verify_sharded_checkpoint(Path(directory), rank, world_size)
-                problem = None
-            except (CorruptCheckpoint, OSError) as exc:
-                problem = str(exc)
+                found, problem = read(Path(directory)), None
+            except (CorruptCheckpoint, OSError, EOFError, pickle.UnpicklingError, ValueError, RuntimeError) as exc:
+                found, problem = None, str(exc)
             if agree(problem is None):
-                return read_sharded_checkpoint(Path(directory), rank, model, optimizer), warnings
+                return use(Path(directory), found), warnings
         warnings.append(f"checkpoint {where} is not usable"
                         + (f" on rank {rank}: {problem}" if problem else " on another rank")
                         + "; falling back to the one before it.")

@@ -51,7 +51,7 @@ def train_step(training: Training, inputs, targets, device: torch.device, step: 
 def accumulated_step(training: Training, step: Step, device: torch.device,
                      after_backward: Optional[Callable[[Step], None]] = None) -> None:
     """One optimizer step over `step.batches` (`run.accumulate_steps` of them): forward and backward of each,
-    the loss divided by their number, DDP's gradient all-reduce only on the last; `after_backward(step)`; then
+    the loss divided by their number, the gradients' reduction only on the last; `after_backward(step)`; then
     one step (unscale, clip, step or skip) and one loss-scale update. Sets `step.loss` (the micro-batches' mean
     loss) and `step.outcome`."""
     model, precision = training.prepared.model, training.precision
@@ -61,7 +61,7 @@ def accumulated_step(training: Training, step: Step, device: torch.device,
     for index, batch in enumerate(micro_batches):
         batch = training.prepared.place(batch, device)
         last = index == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+        with contextlib.nullcontext() if last else training.strategy.no_sync():
             with precision.forward():
                 loss = training.loss(batch.forward(model), batch.targets)
             precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
@@ -69,4 +69,5 @@ def accumulated_step(training: Training, step: Step, device: torch.device,
     step.loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     if after_backward is not None:
         after_backward(step)
-    step.outcome = precision.step(training.optimizer, step.loss, step.number, training.clip_grad_norm)
+    step.outcome = precision.step(training.optimizer, step.loss, step.number, training.clip_grad_norm,
+                                  training.strategy.clip)

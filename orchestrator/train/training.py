@@ -1,10 +1,11 @@
 """What one training step mutates, built together and captured together.
 
 `build_training()` turns a job config and (optionally) a `TrainState` into the model under its
-precision (wrapped for data parallelism, `orchestrator.train.ddp`), the optimizer, the LR schedule and the
-`Precision` object.
-`Training.capture()` turns them back into a `TrainState`. Resume, rollback and promotion are all
-"capture (or load) a state, then build from it".
+precision, spread over the ranks by the job's strategy (`scaling.strategy`, `orchestrator.train.strategy`:
+DDP or FSDP), the optimizer, the LR schedule and the `Precision` object.
+`Training.capture()` turns them back into a `TrainState` (a checkpoint's train_state.pt), `Training.snapshot()`
+into one to rebuild from in this process. Resume, rollback and promotion are all "capture (or load) a state,
+then build from it".
 """
 
 import itertools
@@ -20,13 +21,14 @@ from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import task
 from orchestrator.train.batch import Batch
+from orchestrator.train.fsdp import local
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm, train_mode
-from orchestrator.train.ddp import Wrap, ddp_wrap
+from orchestrator.train.ddp import Wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler
 from orchestrator.train.resume import IncompatibleResume, model_mismatch
 from orchestrator.train.state import TrainState
-
+from orchestrator.train.strategy import Strategy, make_strategy
 
 
 @torch.no_grad()
@@ -47,11 +49,11 @@ def broadcast_from_rank0(model: nn.Module) -> None:
 @dataclass
 class PreparedModel:
     model: nn.Module
-    """What the loop calls: DDP-wrapped when there are several workers."""
+    """What the loop calls: DDP-wrapped when there are several workers, or sharded (FSDP)."""
     raw: nn.Module
-    """The model inside DDP (for state dicts)."""
+    """The model inside DDP (the sharded model itself under FSDP)."""
     params_bytes: int
-    """Bytes of the parameters as stored under the policy."""
+    """Bytes of the parameters as stored under the policy (this rank's shards under FSDP)."""
     memory_format: torch.memory_format = torch.contiguous_format
     """What 4-D floating inputs are converted to before the forward pass (`perf.channels_last`)."""
     compile_options: Optional[dict[str, Any]] = None
@@ -83,61 +85,86 @@ class Training:
     """`task.loss`: (outputs, targets) -> the batch's mean loss, in fp32."""
     metrics: list[Any] = field(default_factory=list)
     """`task.metrics`: `task.SummedMetric`s and `task.TorchMetric`s, updated with each eval batch."""
+    strategy: Optional[Strategy] = None
+    """How the model is spread over the ranks (`scaling.strategy`): the step, checkpoints and the full weights go
+    through it."""
 
     def capture(self) -> TrainState:
-        """The train state of the model, optimizer, schedule and loss scaler (not yet placed in the run).
+        """The train state of the model, optimizer, schedule and loss scaler (not yet placed in the run), as a
+        checkpoint's train_state.pt holds it: under FSDP without the model and optimizer (their shards are written
+        beside it). Needs no other rank.
 
         Tensors may alias live ones (optimizer state): serialise it, or `.detached()` it.
         """
+        return self._state(*self.strategy.checkpoint_state(self.precision, self.optimizer))
+
+    def snapshot(self) -> TrainState:
+        """The train state to rebuild from in this process (`on_collapse: rollback | promote`): under FSDP with this
+        rank's shards of the model and optimizer. Tensors alias live ones: `.detached()` it to keep it."""
+        return self._state(*self.strategy.snapshot_state(self.precision, self.optimizer))
+
+    def _state(self, model: dict[str, Any], optimizer: dict[str, Any]) -> TrainState:
         scaling = self.precision.state_dict()
-        return TrainState(model=self.precision.fp32_state_dict(), optimizer=self.optimizer.state_dict(),
+        return TrainState(model=model, optimizer=optimizer,
                           scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
                           scaler=scaling["scaler"], counters=scaling["counters"], promoted=list(self.promoted))
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights in fp32 on the CPU (the logged model's): under FSDP gathered to rank 0 (a
+        collective: every rank calls it; the others get {})."""
+        return self.strategy.full_state_dict()
+
+    def model_shapes(self) -> dict[str, list[int]]:
+        """The whole model's state-dict shapes (under FSDP the unsharded ones), as a checkpoint's facts record them."""
+        return {name: list(tensor.shape) for name, tensor in self.prepared.raw.state_dict().items()}
+
     def first_nonfinite(self) -> Optional[str]:
         """What a checkpoint would hold that is not finite on this rank (the model's parameters and buffers as
-        stored, the fp32 masters, the optimizer's state), described; None when all of it is finite. Checked on
-        the device, read in one host transfer."""
+        stored, the fp32 masters, the optimizer's state; under FSDP this rank's shards of them), described; None
+        when all of it is finite. Checked on the device, read in one host transfer."""
         model = self.prepared.raw
         masters = self.precision.named_tensors if self.precision.masters else []
-        optimizer_state = ((f"optimizer {key} of {name}", value) for name, tensor in self.precision.named_tensors
+        optimizer_state = ((f"optimizer {key} of {name}", value)
+                           for name, tensor in self.strategy.named_optimizer_params()
                            for key, value in self.optimizer.state.get(tensor, {}).items())
-        return first_nonfinite_tensor(itertools.chain(
+        return first_nonfinite_tensor((name, local(tensor)) for name, tensor in itertools.chain(
             named_tensors(model.state_dict()), ((f"{name} (fp32 master)", t) for name, t in masters),
             ((name, t) for name, value in optimizer_state for name, t in named_tensors(value, name))))
 
 
 def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int = 1, total_steps: int,
                    state: Optional[TrainState] = None, wrap: Optional[Wrap] = None) -> Training:
-    """Build everything a step needs from fp32 weights (the state's, after a restart) and load the rest of
-    `state` into it. The model is moved to the device, given rank 0's weights, cast by its precision, and
-    only then wrapped by `wrap` (default: `ddp_wrap(cfg)`)."""
+    """Build everything a step needs and load `state` into it (after a restart: its fp32 weights under DDP, its
+    shards under FSDP). The model is moved to the device, given rank 0's weights, then prepared by the job's
+    strategy: under DDP cast by its precision and only then wrapped by `wrap` (default: `ddp_wrap(cfg)`); under
+    FSDP planned into units and sharded (`wrap` is not used)."""
     promoted = list(state.promoted) if state is not None else []
     precision = Precision(cfg.precision, device, rank=rank, world_size=world_size, promoted=promoted)
+    strategy = make_strategy(cfg, device, rank, world_size, wrap)
     model = build_model(cfg.model)
     if state is not None:
         mismatch = model_mismatch({k: list(v.shape) for k, v in state.model.items()},
-                                  {k: list(v.shape) for k, v in model.state_dict().items()})
-        if mismatch:
+                                  {k: list(v.shape) for k, v in model.state_dict().items()}) if state.model else None
+        if mismatch:  # under FSDP a checkpoint's train state holds no weights: its shards are checked as they load
             raise IncompatibleResume(f"model: {mismatch} (model.name={cfg.model.name}): the checkpoint was trained "
                                      "with another model. Set the model back, or start a new run without --resume.")
-        model.load_state_dict(state.model)
+        strategy.load_weights(model, state)
     memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
     train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so
     if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
         freeze_norm(model)
     model.to(device, memory_format=memory_format)  # before masters: their copies keep the layout
     broadcast_from_rank0(model)
-    precision.prepare(model)
+    wrapped = strategy.prepare(model, precision)
     compile_options = {"backend": cfg.perf.compile_backend, "mode": cfg.perf.compile_mode} if cfg.perf.compile else None
-    prepared = PreparedModel((wrap or ddp_wrap(cfg))(model), model, sum(param_bytes_by_dtype(model).values()),
-                             memory_format, compile_options)
-    optimizer = build_optimizer(cfg.optim, precision.named_tensors, model)  # grouped by name: masters follow
+    prepared = PreparedModel(wrapped, model, sum(param_bytes_by_dtype(model).values()), memory_format, compile_options)
+    # Grouped by name: masters (DDP) and shards (FSDP) follow their parameter's group.
+    optimizer = build_optimizer(cfg.optim, strategy.named_optimizer_params(), model)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     if state is not None:
-        optimizer.load_state_dict(state.optimizer)
+        strategy.load_state(optimizer, state)
         if scheduler is not None and state.scheduler:
             scheduler.load_state_dict(state.scheduler)
         precision.load_state_dict(state.scaler, state.counters)
     return Training(prepared, optimizer, scheduler, precision, promoted, cfg.optim.clip_grad_norm,
-                    task.build_loss(cfg.task), task.build_metrics(cfg.task))
+                    task.build_loss(cfg.task), task.build_metrics(cfg.task), strategy)

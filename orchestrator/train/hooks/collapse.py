@@ -28,7 +28,7 @@ class CollapseRecovery(Hook):
 
     def _remember(self, loop) -> None:
         if self.on_collapse == "rollback":
-            self.last_good = loop.training.capture().detached()
+            self.last_good = loop.training.snapshot().detached()
 
     def after_step(self, loop, step) -> None:
         if step.outcome.collapse is None:
@@ -42,7 +42,7 @@ class CollapseRecovery(Hook):
         if self.on_collapse == "abort" or (self.on_collapse == "promote" and not layers):
             raise LossScaleCollapsed(f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or "
                                      "set precision.scaler.on_collapse: promote | rollback.")
-        now = training.capture()
+        now = training.snapshot()  # this rank's shards under FSDP: no other rank is needed
         if self.on_collapse == "promote":  # a fresh scale: the layers that overflowed are fp32 now
             now.scaler, now.promoted = None, list(dict.fromkeys(training.promoted + layers))
             state = now

@@ -1,5 +1,6 @@
 """Memory in the reports: bytes by dtype and category (`memory/<category>_<dtype>_bytes`, `memory/breakdown`) once
-the first step has measured them, and every epoch the peaks of every rank."""
+the first step has measured them, and every epoch the peaks of every rank and what each rank holds of the model's
+state. The ledger measures the rank it runs on (rank 0's figures are logged): under FSDP its shards."""
 
 from typing import Any, Optional
 
@@ -12,8 +13,9 @@ from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
 
 class MemoryReport(Hook):
     """The memory ledger's table and metrics with the report after the first complete step; each epoch's
-    report adds `memory/peak_bytes` (max over ranks: a collective, every rank makes it), the per-rank peaks
-    and `memory/params_bytes`."""
+    report adds `memory/peak_bytes` (max over ranks: a collective, every rank makes it), the per-rank peaks,
+    `memory/rank<r>_state_bytes` (the parameters, gradients, optimizer state and masters rank r holds: under FSDP
+    its shards, so the ranks differ) and `memory/params_bytes`."""
 
     name = "memory"
 
@@ -27,6 +29,9 @@ class MemoryReport(Hook):
 
     def end_epoch(self, loop, report) -> None:
         report.metrics.update(memory_peaks(loop.rank, loop.world_size, loop.device))
+        held = per_rank(float(state_bytes(loop.training.precision.ledger.bytes)), loop.rank, loop.world_size,
+                        loop.device)
+        report.metrics.update({f"memory/rank{r}_state_bytes": size for r, size in enumerate(held)})
         report.metrics.update({"memory/params_bytes": float(loop.training.prepared.params_bytes),
                                **loop.training.precision.ledger.metrics()})
 
@@ -34,6 +39,14 @@ class MemoryReport(Hook):
         if self.table is not None:
             report.tables["memory/breakdown"], self.table = self.table, None
             report.metrics.update(loop.training.precision.ledger.metrics())
+
+
+STATE = ("params", "grads", "optimizer", "master")
+
+
+def state_bytes(measured: dict[str, dict[str, int]]) -> int:
+    """Bytes of the parameters, gradients, optimizer state and masters, all dtypes."""
+    return sum(sum(measured.get(category, {}).values()) for category in STATE)
 
 
 def memory_peaks(rank: int, world_size: int, device: torch.device) -> dict[str, float]:

@@ -17,5 +17,5 @@ class ParamGroupTable(Hook):
         if self.due:
             training = loop.training
             report.tables["optim/param_groups"] = param_group_table(loop.cfg.optim, training.optimizer,
-                                                                    training.precision.named_tensors)
+                                                                    training.strategy.named_optimizer_params())
             self.due = False

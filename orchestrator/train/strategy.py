@@ -1,0 +1,231 @@
+"""How the model is spread over the ranks (`scaling.strategy`): DDP or FSDP2, behind one set of methods.
+
+The training build (`orchestrator.train.training`), the step (`no_sync`, `clip`), the loop's checkpoints
+(`staged_checkpoint`, `resume`) and the final model (`load_trained_weights`) call a strategy; only the
+strategy knows whether each rank holds the whole model (`DdpStrategy`) or its shards (`FsdpStrategy`,
+`orchestrator.train.fsdp_strategy`):
+
+| method | DDP | FSDP |
+| --- | --- | --- |
+| `prepare(model, precision)` | `Precision.prepare`, then DDP (Ray Train's `prepare_model`) | `fully_shard` per unit |
+| `named_optimizer_params()` | the fp32 masters where there are some, else the parameters | this rank's shards |
+| `no_sync()` | DDP's `no_sync` | no reduce-scatter |
+| `clip(optimizer, max_norm)` | the norm of the rank's (whole) gradients | the norm over every rank's shards |
+| `checkpoint_state` | fp32 weights and the optimizer in train_state.pt | none there: the shards in `sharded/` (DCP) |
+| `snapshot_state` (rollback, promotion) | the same | this rank's shards |
+| `full_state_dict()` | the fp32 weights (any rank) | gathered to rank 0's CPU (a collective) |
+
+Each strategy object belongs to one build of the model (a rollback or promotion builds a new one).
+"""
+
+import json
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from orchestrator.precision import Policy, Precision, plan
+from orchestrator.precision.fsdp import FsdpSettings, plan_units
+from orchestrator.precision.scaling import clip as clip_gradients
+from orchestrator.train import sharded_checkpoint
+from orchestrator.train.checkpoint import (STATE_FILE, Candidate, CorruptCheckpoint, load_newest_valid, manifest_file,
+                                           read_checkpoint, staged_checkpoint)
+from orchestrator.train.collectives import all_agree
+from orchestrator.train.ddp import Wrap, ddp_wrap
+from orchestrator.train.fsdp_strategy import FsdpStrategy
+from orchestrator.train.state import TrainState
+
+if TYPE_CHECKING:
+    from orchestrator.train.training import Training
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+class IncompatibleStrategy(ValueError):
+    """A checkpoint written under another `scaling.strategy` than the job's (its manifest says which)."""
+
+
+class Strategy(Protocol):
+    name: str
+
+    def prepare(self, model: nn.Module, precision: Precision) -> nn.Module: ...
+
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    def no_sync(self) -> AbstractContextManager: ...
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]: ...
+
+    def load_weights(self, model: nn.Module, state: TrainState) -> None: ...
+
+    def load_state(self, optimizer: torch.optim.Optimizer, state: TrainState) -> None: ...
+
+    def checkpoint_state(self, precision: Precision, optimizer: torch.optim.Optimizer
+                         ) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def snapshot_state(self, precision: Precision, optimizer: torch.optim.Optimizer
+                       ) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
+                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
+                          ) -> AbstractContextManager[Path]: ...
+
+
+class DdpStrategy:
+    """Every rank holds the whole model: the precision policy casts it (with fp32 masters where it says so), then
+    DistributedDataParallel wraps it (`wrap`: Ray Train's `prepare_model` on a Ray Train worker)."""
+
+    name = "ddp"
+
+    def __init__(self, cfg: Any, rank: int, wrap: Optional[Wrap] = None):
+        self.rank, self.wrap = rank, wrap or ddp_wrap(cfg)
+        self.model: Optional[nn.Module] = None
+        self.precision: Optional[Precision] = None
+
+    def prepare(self, model: nn.Module, precision: Precision) -> nn.Module:
+        precision.prepare(model)
+        self.precision, self.model = precision, self.wrap(model)
+        return self.model
+
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.precision.named_tensors)
+
+    def no_sync(self) -> AbstractContextManager:
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else nullcontext()
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]:
+        return clip_gradients(optimizer, max_norm)
+
+    def load_weights(self, model: nn.Module, state: TrainState) -> None:
+        """Before `prepare`: the fp32 weights (the masters are taken from them, then the policy casts)."""
+        model.load_state_dict(state.model)
+
+    def load_state(self, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+        optimizer.load_state_dict(state.optimizer)
+
+    def checkpoint_state(self, precision: Precision, optimizer: torch.optim.Optimizer
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+        return precision.fp32_state_dict(), optimizer.state_dict()
+
+    snapshot_state = checkpoint_state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.precision.fp32_state_dict()
+
+    def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
+                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
+                          ) -> AbstractContextManager[Path]:
+        return staged_checkpoint(self.rank, shared, own, step, facts=facts)
+
+
+def make_strategy(cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Optional[Wrap] = None
+                  ) -> Strategy:
+    """The job's `scaling.strategy` for one build of the model. `wrap` (DDP only): how the cast model is wrapped."""
+    if cfg.scaling.strategy == "fsdp":
+        return FsdpStrategy.from_config(cfg, device, rank, world_size)
+    return DdpStrategy(cfg, rank, wrap)
+
+
+# -- which strategy wrote a checkpoint ------------------------------------------------------------------------
+
+def written_under(directory: Path) -> Optional[str]:
+    """The `scaling.strategy` a checkpoint directory was written under, from rank 0's manifest (a DDP manifest lists
+    only files); None when there is no readable manifest (an incomplete checkpoint: its loader says so)."""
+    try:
+        manifest = json.loads((Path(directory) / manifest_file(0)).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    strategy = manifest.get("strategy", "ddp")
+    return strategy if isinstance(strategy, str) else None
+
+
+def _checked(where: str, open_directory: Callable[[], AbstractContextManager[str]], strategy: str
+             ) -> Callable[[], AbstractContextManager[str]]:
+    @contextmanager
+    def opened() -> Iterator[str]:
+        with open_directory() as directory:
+            written = written_under(Path(directory))
+            if written is not None and written != strategy:
+                raise IncompatibleStrategy(
+                    f"checkpoint {where} was written under scaling.strategy {written}, and this job trains under "
+                    f"{strategy}: the strategy cannot change within a run. Resume it with scaling.strategy={written}, "
+                    "or start the job afresh (without --resume).")
+            yield directory
+
+    return opened
+
+
+# -- resuming ---------------------------------------------------------------------------------------------------
+
+def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,
+           build: Callable[[Optional[TrainState]], "Training"]
+           ) -> tuple[Optional[TrainState], list[str], "Training"]:
+    """The newest checkpoint every rank can read, and the training built from it (`build(state)`; afresh without
+    one): (its state, a warning for each newer one skipped, the training). A collective.
+
+    Under DDP the state holds the weights and the optimizer, and the build loads them. Under FSDP the build comes
+    first (the policy, and so the units, depend on the state's promoted layers), then the shards are loaded into
+    it while the checkpoint is still open. A checkpoint written under the other strategy is refused
+    (IncompatibleStrategy) rather than skipped: every checkpoint of the run was.
+    """
+    strategy = cfg.scaling.strategy
+    candidates = [(where, _checked(where, opener, strategy)) for where, opener in candidates]
+    agree = lambda ok: all_agree(ok, device)  # noqa: E731
+    if strategy != "fsdp":
+        state, warnings = load_newest_valid(candidates, rank, agree)
+        return state, warnings, build(state)
+
+    def read(directory: Path) -> TrainState:
+        return TrainState.from_files(*sharded_checkpoint.read_rank_files(directory, rank))
+
+    def use(directory: Path, state: TrainState) -> tuple[TrainState, "Training"]:
+        training = build(state)
+        training.strategy.load_shards(directory, training.optimizer)
+        return state, training
+
+    found, warnings = sharded_checkpoint.newest_valid_sharded(candidates, rank, world_size, read, use, agree)
+    if found is None:
+        return None, warnings, build(None)
+    return found[0], warnings, found[1]
+
+
+# -- the trained model, on the driver ------------------------------------------------------------------------------
+
+def load_trained_weights(checkpoint: Any, model: nn.Module) -> TrainState:
+    """Load a (verified) checkpoint's fp32 weights into `model`, the job's plain model built in this process (the
+    driver: the logged MLflow model, the export); returns the checkpoint's train state (the inputs it trained on;
+    under FSDP without the model and optimizer, which its shards hold). A DDP checkpoint keeps the
+    weights in train_state.pt; an FSDP one keeps them in its shards, read here whole (`read_full_model`: no
+    process group, nothing unpickled). `checkpoint`: anything with `as_directory()`, as Ray Train's Checkpoint."""
+    with checkpoint.as_directory() as opened:
+        directory = Path(opened)
+        if written_under(directory) != "fsdp":
+            state = read_checkpoint(directory, rank=0)
+            model.load_state_dict(state.model)
+            return state
+        sharded_checkpoint.verify_sharded_checkpoint(directory, rank=0, world_size=1)  # every writer's files
+        shared = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        try:
+            state = TrainState.from_files(shared, None)
+        except ValueError as exc:
+            raise CorruptCheckpoint(f"{directory.name}: {exc}") from None
+        model.load_state_dict(sharded_checkpoint.read_full_model(directory, model))
+        return state
+
+
+# -- pre-flight ------------------------------------------------------------------------------------------------------
+
+def check_plan(cfg: Any, model: nn.Module) -> None:
+    """Pre-flight (on the CPU model): under `scaling.strategy: fsdp`, the units and their policies can be planned.
+    A rule FSDP cannot honour, a `scaling.fsdp.wrap` glob matching no module holding parameters, or a model's
+    `fsdp_units` naming no submodule is BadInput naming it."""
+    if cfg.scaling.strategy != "fsdp":
+        return
+    policy = Policy.from_config(cfg.precision)
+    plan_units(model, policy, plan(model, policy), FsdpSettings.from_config(cfg.scaling, cfg.precision))
