@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchestrator.cli.export import main as export_main
+from orchestrator.tracking.tracker import RunTracker
+
 from conftest import REPO, drill, small_job
 from test_resume_e2e import each_step_once
 from test_submit_e2e import only_run
@@ -29,7 +32,6 @@ class Directory:
 
 def test_quickstart_on_two_fsdp_workers_survives_a_killed_worker_and_logs_the_full_model(
         ray_session, tmp_path, monkeypatch, mlflow_uri):
-    import mlflow
 
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
@@ -69,18 +71,17 @@ def test_quickstart_on_two_fsdp_workers_survives_a_killed_worker_and_logs_the_fu
     cfg = load_job(quickstart, overrides)
     trained = build_model(cfg.model)
     load_trained_weights(Directory(final), trained)
-    # The job ships its callbacks' module (the drill), so the model is logged with that code: loaded here with
-    # MLflow's own loader, which ampflow's (never unpickling) refuses.
-    logged = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model()  # its pt2 program, nothing unpickled
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     batch = torch.stack([eval_set[i][0] for i in range(6)])
     with torch.no_grad():
         torch.testing.assert_close(logged(batch), trained.eval()(batch), rtol=1e-4, atol=1e-5)
 
-    # The export at the end of training, from the same full weights.
+    # The export at the end of training, and orchestrator.export from the logged model.
     assert run.data.tags["export_status"] == "logged" and "export/accuracy_delta" in metrics
+    assert export_main([run.info.run_id, "--dtype", "float16", "--tracking-uri", mlflow_uri]) == 0
     names = {m.name for m in client.search_logged_models([run.info.experiment_id])}
-    assert names == {"model", "model_bfloat16"}
+    assert names == {"model", "model_bfloat16", "model_float16"}
 
 
 def test_an_o2_fsdp_run_whose_worker_died_continues_with_resume_and_logs_the_full_model_and_memory_per_rank(
@@ -89,8 +90,6 @@ def test_an_o2_fsdp_run_whose_worker_died_continues_with_resume_and_logs_the_ful
     with no restarts left: the run fails, its sharded checkpoint of step 2 kept; `submit --resume` continues it
     from that checkpoint in the same MLflow run, which ends with the model read whole from the final shards, the
     audit of each layer's dtypes, and the memory each rank holds (half the model's parameters)."""
-    import mlflow
-
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
     from orchestrator.train.data import build_datasets
@@ -144,7 +143,7 @@ def test_an_o2_fsdp_run_whose_worker_died_continues_with_resume_and_logs_the_ful
     cfg = load_job(job)
     trained = build_model(cfg.model)
     load_trained_weights(Directory(final), trained)
-    logged = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")  # with the drill's code: MLflow's loader
+    logged = RunTracker.open(mlflow_uri, run.info.run_id).load_model()
     assert {p.dtype for p in logged.parameters()} == {torch.float32}
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     batch = torch.stack([eval_set[i][0] for i in range(6)])
