@@ -44,6 +44,7 @@ from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
+from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
@@ -74,6 +75,10 @@ class Session(Protocol):
         """(Rank 0) the `seq` of the newest report the driver has logged for sure, 0 when none is known; None
         when no driver can lose reports (nothing needs keeping)."""
 
+    def write_diagnostic(self, relative_path: str, text: str) -> None:
+        """Write a text file at `relative_path` in the run's storage, where the driver collects it (the
+        watchdog's stacks); called from another thread while the training thread may be stuck."""
+
 
 def in_groups(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
     """Consecutive groups of `size` batches (the micro-batches of one optimizer step); an incomplete last group
@@ -99,8 +104,8 @@ class TrainingLoop:
         # `run.accumulate_steps` batches of it.
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
-        # Both loaders walk a DistributedSampler over the training set.
-        self.layout = Layout.of(cfg, len(self.train_loader.sampler.dataset), self.world_size)
+        # Both loaders (under `Batches`) walk a DistributedSampler over the training set.
+        self.layout = Layout.of(cfg, len(self.train_loader.loader.sampler.dataset), self.world_size)
         self.steps_per_epoch = self.layout.steps_per_epoch
 
         # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
@@ -119,6 +124,7 @@ class TrainingLoop:
         self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
         self.outbox = ReplayOutbox(session, self.rank, self.device)
         self.hooks = Hooks([
+            Watchdog(cfg.failure.step_timeout_s),  # first: it is set up first and stopped first
             SystemMetrics(cfg.tracking.system_metrics_interval_s), TimeToFirstStep(launched_at), PolicyAudit(),
             MemoryReport(), LossScaleTelemetry(), CollapseRecovery(cfg.precision.scaler.on_collapse),
             ParamGroupTable(fresh=state is None),
