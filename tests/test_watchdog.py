@@ -5,20 +5,23 @@ write leaves every thread's stack, naming where it was, and the error names the 
 import json
 import time
 
+import torch
+
 import pytest
 from omegaconf import OmegaConf
 
 from conftest import drill, small_job
 from orchestrator.config import load_job
-from orchestrator.train.hooks.watchdog import HEADER, StepStalled, collective_timeout_s
-from orchestrator.train.local import spawn
+from orchestrator.train.hooks.watchdog import HEADER, STALLED_EXIT, StepStalled, Watchdog, collective_timeout_s
+from orchestrator.train.local import LocalSession, spawn
+from orchestrator.train.loop import TrainingLoop
 
 TIMEOUT_S = 10.0  # a step on a busy 2-core machine can take seconds: the hang must be told apart
 
 
 def job(write_job, **sections):
-    cfg = load_job(write_job(small_job(
-                                       precision={"preset": "O0"}, run={"max_steps_per_epoch": 8},
+    cfg = load_job(write_job(small_job(model={"name": "tiny_nets:MLP"}, precision={"preset": "O0"},
+                                       run={"max_steps_per_epoch": 8},
                                        failure={"step_timeout_s": TIMEOUT_S}, **sections)))
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -73,3 +76,42 @@ def test_a_sigstopped_rank_ends_the_run_within_the_bound_named_as_the_one_withou
 def test_the_collective_timeout_follows_the_step_timeout():
     assert collective_timeout_s(600) == 661 and collective_timeout_s(2.5) == 63
     assert collective_timeout_s(None) is None  # torch's default stays
+
+
+class Slow:
+    """Each step, evaluation and checkpoint takes `seconds`; one step (`stall_at`) takes `stall_s`."""
+
+    def __init__(self, seconds: float, stall_at: int = 0, stall_s: float = 0.0):
+        self.seconds, self.stall_at, self.stall_s = seconds, stall_at, stall_s
+
+    def before_step(self, loop, step):
+        time.sleep(self.stall_s if step.number == self.stall_at else self.seconds)
+
+    def collect(self, loop, report):  # after the report's evaluation: as long again
+        time.sleep(self.seconds)
+
+    def on_checkpoint(self, loop, directory, name):
+        time.sleep(self.seconds)
+
+
+def test_a_run_longer_than_the_timeout_is_never_ended_while_each_step_evaluation_and_checkpoint_keeps_within_it(
+        write_job, tmp_path):
+    """One rank, 4 s timeout, every step, evaluation and checkpoint 1 s longer than it would be: the run takes
+    several timeouts and is not ended; a step of 10 s is, with the training thread's stack at the slow step."""
+    cfg = load_job(write_job(small_job(model={"name": "tiny_nets:MLP"}, scaling={"num_workers": 1},
+                                       precision={"preset": "O0"},
+                                       run={"max_steps_per_epoch": 6, "eval_every_n_steps": 2},
+                                       checkpoint={"every_n_steps": 2}, failure={"step_timeout_s": None})))
+    exits = []
+    began = time.monotonic()
+    session = LocalSession(0, 1, torch.device("cpu"), tmp_path / "calm")
+    TrainingLoop(cfg, session, hooks=[Watchdog(4.0, exit=exits.append), Slow(1.0)]).run()
+    assert time.monotonic() - began > 2 * 4.0 and exits == []
+    assert not (tmp_path / "calm" / "diagnostics").exists()
+
+    session = LocalSession(0, 1, torch.device("cpu"), tmp_path / "stalled")
+    TrainingLoop(cfg, session, hooks=[Watchdog(4.0, exit=exits.append), Slow(0.0, stall_at=4, stall_s=10.0)]).run()
+    assert exits == [STALLED_EXIT]
+    (text,) = [path.read_text() for path in (tmp_path / "stalled" / "diagnostics" / "stacks").glob("*/rank0.txt")]
+    assert header(text)["step"] == 4 and header(text)["at"].endswith("in before_step")
+    assert "time.sleep(self.stall_s if step.number == self.stall_at else self.seconds)" in text

@@ -20,7 +20,8 @@ def submit(tmp_path, monkeypatch, write_job, mlflow_uri, experiment, **sections)
 
     monkeypatch.chdir(tmp_path)
     sections["tracking"] = {"uri": mlflow_uri, "experiment": experiment}
-    job = small_job(precision={"preset": "O0"}, run={"max_steps_per_epoch": 8},
+    job = small_job(model={"name": "tiny_nets:MLP"}, precision={"preset": "O0"},
+                    run={"max_steps_per_epoch": 8},
                     failure={"step_timeout_s": TIMEOUT_S, **sections.pop("failure", {})}, **sections)
     return main([str(write_job(job, f"{experiment}.yaml"))])
 
