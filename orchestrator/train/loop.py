@@ -104,8 +104,8 @@ class TrainingLoop:
         # `run.accumulate_steps` batches of it.
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
-        # Both loaders (under `Batches`) walk a DistributedSampler over the training set.
-        self.layout = Layout.of(cfg, len(self.train_loader.loader.sampler.dataset), self.world_size)
+        # Both loaders walk a DistributedSampler over the training set.
+        self.layout = Layout.of(cfg, len(self.train_loader.sampler.dataset), self.world_size)
         self.steps_per_epoch = self.layout.steps_per_epoch
 
         # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
