@@ -15,6 +15,8 @@ this module like any user code (it is shipped with the job). Steps are global op
   wait for it in the gradients' all-reduce. With a `marker` file, only once.
 - `SigStop`: a rank's process stops itself with SIGSTOP at the start of a step: it can neither run nor write
   anything, and its peers wait for it in a collective. With a `marker` file, only once.
+- `ReadOnlyPath`, `RemovePath`: a tracking store made read-only, or its artifact directory removed, mid-run.
+- `KillLoaderWorker`: a rank's DataLoader worker processes SIGKILLed mid-epoch.
 - `DiskFull`: the copy of a checkpoint to storage fails part-way with ENOSPC on every rank, as a disk
   filling up does (each rank's file in the checkpoint's storage directory is a link to /dev/full).
 """
@@ -136,3 +138,62 @@ class DiskFull:
         target = Path(storage.experiment_fs_path) / name
         target.mkdir(parents=True, exist_ok=True)
         (target / f"rank{loop.rank}.pt").symlink_to("/dev/full")
+
+
+class ReadOnlyPath:
+    def __init__(self, paths: Sequence[str], at_step: int, until_step: Optional[int] = None):
+        """Make `paths` (files and directories: a SQLite store's file and its directory) read-only at the end of
+        step `at_step` on rank 0, as a filesystem remounted read-only would; writable again at `until_step`."""
+        self.paths, self.at_step, self.until_step = [str(p) for p in paths], at_step, until_step
+
+    def after_step(self, loop, step) -> None:
+        if loop.rank == 0 and step.number == self.at_step:
+            make_read_only(self.paths, True)
+        elif loop.rank == 0 and step.number == self.until_step:
+            make_read_only(self.paths, False)
+
+
+def make_read_only(paths: Sequence[str], read_only: bool) -> None:
+    """chmod, and for root (whom modes do not stop) the immutable attribute as well (`chattr`, Linux)."""
+    import subprocess
+
+    for path in paths:
+        if read_only:
+            os.chmod(path, 0o555 if os.path.isdir(path) else 0o444)
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i" if read_only else "-i", path], check=True, capture_output=True)
+        if not read_only:
+            os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
+
+
+class RemovePath:
+    def __init__(self, path: str, at_step: int):
+        """Remove `path` (a directory tree: an MLflow run's artifact root) at the end of step `at_step` on rank 0."""
+        self.path, self.at_step = Path(path), at_step
+
+    def after_step(self, loop, step) -> None:
+        if loop.rank == 0 and step.number == self.at_step:
+            import shutil
+
+            shutil.rmtree(self.path)
+
+
+class KillLoaderWorker:
+    def __init__(self, at_step: int, rank: int = 0):
+        """SIGKILL this rank's DataLoader worker processes (its child processes) at the start of step `at_step`,
+        as the kernel's OOM killer would."""
+        self.at_step, self.rank = at_step, rank
+
+    def before_step(self, loop, step) -> None:
+        if loop.rank != self.rank or step.number != self.at_step:
+            return
+        import signal
+
+        import psutil
+
+        children = psutil.Process().children()
+        if not children:
+            raise RuntimeError("drill KillLoaderWorker: this rank has no loader worker processes "
+                               "(data.loader_workers: 0?)")
+        for child in children:
+            os.kill(child.pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ def logged(tmp_path_factory):
     job. Returns (tracking URI, run id, job config, the fp32 weights)."""
     from orchestrator.runner.export import cast_for_inference
     from orchestrator.config import flatten, load_job, to_yaml
+    from orchestrator.tracking.logged_model import ModelInputs
     from orchestrator.tracking.tracker import RunTracker
     from orchestrator.train.models import build_model
 
@@ -34,7 +35,7 @@ def logged(tmp_path_factory):
         for module in model.modules():
             if isinstance(module, torch.nn.BatchNorm2d):
                 module.running_mean.uniform_(-0.5, 0.5), module.running_var.uniform_(0.5, 2.0)
-    example = np.zeros((2, 3, 32, 32), dtype=np.float32)
+    example = ModelInputs.from_shape((3, 32, 32))
     assert tracker.log_model(model, example) == "pt2"
     exported = cast_for_inference(model, cfg.precision, torch.float16)
     assert tracker.log_model(exported, example, name="model_float16") == "pt2"

@@ -204,12 +204,26 @@ def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[st
     return plan
 
 
+TRACKING_INCOMPLETE_TAG = "tracking_incomplete"
+"""The tag of a run that trained but whose records MLflow did not all take: what is missing, and why."""
+
+
 class RunEnd:
-    """Ends the planned run exactly once: flushes the MLflow writer (once there is one), then `close_run`
-    (run record + MLflow status) with the tracker as it is by then (MLflow may have come back mid-run)."""
+    """Ends the planned run exactly once: flushes the MLflow writer (once there is one), checks that MLflow has
+    everything the run logged (a run missing records is FAILED, tagged `tracking_incomplete`, never FINISHED),
+    then `close_run` (run record + MLflow status) with the tracker as it is by then (MLflow may have come back
+    mid-run), and says how many writes MLflow refused, one line per kind."""
 
     def __init__(self, plan: RunPlan):
+        from orchestrator.tracking.refusals import Refusals
+
         self.plan, self.tracker, self.writer, self.status = plan, plan.tracker, None, None
+        self.refusals = plan.tracker.refusals if plan.tracker is not None else Refusals()
+        """The run's refused writes and lost records (its tracker's and writer's)."""
+        self.closed = True
+        """Whether MLflow took the run's final status (False: it still shows RUNNING)."""
+        self.missing: list[str] = []
+        """Artifacts the run logged that its artifact store no longer has."""
 
     def flush(self, timeout_s: float):
         """Stop the writer and log what it still holds; the tracker the run ended up with."""
@@ -231,7 +245,34 @@ class RunEnd:
         except Exception as exc:  # what the writer held is lost, but the run still ends with its status
             print(f"error: the MLflow writer failed while closing ({type(exc).__name__}: {redact(str(exc))}).",
                   file=sys.stderr)
-        close_run(self.tracker, status, timeout_s, self.plan.cfg.checkpoint.storage_path, self.plan.run_name)
+        if self.tracker is not None and status != "KILLED":  # an interrupt's close has seconds, not a listing
+            self.missing = self.tracker.missing_artifacts() or []
+            self.refusals.lose("artifacts", len(self.missing))
+        if self.incomplete:
+            self.status = status = "FAILED" if status == "FINISHED" else status
+            try:
+                self.tracker.set_tag(TRACKING_INCOMPLETE_TAG, self.why_incomplete())
+            except Exception:  # the store still refuses: the console says it
+                pass
+        self.closed = close_run(self.tracker, status, timeout_s, self.plan.cfg.checkpoint.storage_path,
+                                self.plan.run_name)
+        for line in self.refusals.summary():
+            print(line, file=sys.stderr)
+
+    @property
+    def incomplete(self) -> bool:
+        """MLflow lacks records of the run (never taken, or gone from its artifact store)."""
+        return self.tracker is not None and self.refusals.any_lost
+
+    def why_incomplete(self) -> str:
+        """`MLflow did not record 19 metric values and 3 artifacts (...)`, naming artifacts gone from the store."""
+        gone = ""
+        if self.missing:
+            shown = ", ".join(self.missing[:5]) + (", ..." if len(self.missing) > 5 else "")
+            gone = f"; {len(self.missing)} of them logged earlier and gone from its artifact store ({shown})"
+        refused = next(iter(self.refusals.summary()), None)
+        return f"MLflow did not record {self.refusals.lost_text()} of the run{gone}" + \
+            (f" ({refused})" if refused else "")
 
 
 def execute(plan: RunPlan) -> int:
@@ -244,6 +285,11 @@ def execute(plan: RunPlan) -> int:
     install_console_redaction()  # idempotent: callers from Python get it too
     console.ensure_console()
     end = RunEnd(plan)
+    with end.refusals.quiet_mlflow_errors():
+        return _execute_and_end(plan, end)
+
+
+def _execute_and_end(plan: RunPlan, end: "RunEnd") -> int:
     try:
         return _execute(plan, end)
     except BaseException as exc:
@@ -301,7 +347,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         relay, plan.tracker,
         start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id,
                                      plan.datasets),
-        on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq))
+        on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq), refusals=end.refusals)
     if plan.resume and plan.tracker is not None:
         writer.resume_from_run()
     writer.start()
@@ -379,7 +425,7 @@ def _failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.Stall
         tracker.log_plots(plan.cfg.precision.preset)
     end.close("FAILED")
     print(f"\ntraining failed: {cause}", file=sys.stderr)
-    where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None else ""
+    where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None and end.closed else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
           f"{resume_hint(plan)}", file=sys.stderr)
     return EXIT_FAILED
@@ -413,6 +459,8 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
         return EXIT_OK
     model_uri, exit_code = outputs.log_outputs(cfg, result, tracker, module_sources)
     end.close("FINISHED")
+    if end.incomplete or not end.closed:
+        return _incomplete(plan, end, result)
 
     final = {**Report.from_wire(result.metrics or {}).metrics, **tracker.latest_metrics()}
     print(f"\nRun finished: {tracker.run_id}")
@@ -426,3 +474,34 @@ def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
     plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
     return exit_code
+
+
+def _incomplete(plan: RunPlan, end: RunEnd, result) -> int:
+    """Training finished but MLflow did not take all of the run, or could not close it: exit 1 (never a success),
+    with one line saying what is missing, where the run's data still is and how to get it into MLflow."""
+    tracker = end.tracker
+    if end.incomplete:
+        what = f"{end.why_incomplete()}"
+    else:
+        what = f"MLflow could not close the run ({next(iter(end.refusals.summary()), 'its store refused')})"
+    state = "marked FAILED (tag tracking_incomplete)" if end.closed else "left RUNNING (its store refuses writes)"
+    error = f"run {plan.run_name} trained to the end, but {what}"
+    plan.result = RunResult(tracker.run_id, "FAILED", {**Report.from_wire(result.metrics or {}).metrics,
+                                                        **tracker.latest_metrics()}, str(result.path), None,
+                            error=redact(error))
+    print(f"\nerror: {redact(error)}. MLflow run {tracker.run_id} {state}. Nothing trained is lost: the "
+          f"checkpoints are in {result.path}, and the reports MLflow lacks are kept in them (the replay outbox). "
+          f"{_recovery(plan)}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _recovery(plan: RunPlan) -> str:
+    from orchestrator.runner.checkpoints import newest_finite
+
+    try:
+        stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
+    except OSError:
+        stored = None
+    newest = f" from {stored.path} (step {stored.facts.global_step})" if stored is not None else ""
+    return (f"Once the store takes writes again, `python -m orchestrator.submit {plan.job_path} --resume` "
+            f"continues the same run{newest}: it logs what MLflow lacks and closes the run.")

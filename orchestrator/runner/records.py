@@ -124,12 +124,14 @@ def find_resumable(storage_path: str, job_path: Path) -> dict[str, Any]:
 
 
 def close_run(tracker, status: str, timeout_s: float, storage_path: Optional[str] = None,
-              run_name: Optional[str] = None) -> None:
+              run_name: Optional[str] = None) -> bool:
     """End a run as `status` (FINISHED, FAILED or KILLED): its record in `storage_path`, when it has one
     (nothing is created for a run that never got as far as writing it), then its MLflow run (`tracker`,
     None when MLflow never created it), retried for up to `timeout_s` while MLflow is flaky. An MLflow
-    that still does not answer is reported, not raised: the run's end must not hide why it ended. A record that
-    cannot be written is raised, after the MLflow run was marked FAILED (never left RUNNING)."""
+    that still does not answer is reported, not raised: the run's end must not hide why it ended; returns
+    whether the MLflow run was closed (True without one). A record that cannot be written is raised, after
+    the MLflow run was marked FAILED (never left RUNNING)."""
+    from orchestrator.tracking.refusals import describe
     from orchestrator.tracking.writer import retry
 
     record_error = None
@@ -138,11 +140,15 @@ def close_run(tracker, status: str, timeout_s: float, storage_path: Optional[str
             write_record(storage_path, run_name, status=status)
     except Exception as exc:  # storage went away (a full disk, a lost mount): MLflow still hears how the run ended
         record_error, status = exc, "FAILED"
+    closed = True
     if tracker is not None:
         try:
             retry(lambda: tracker.finish(status), timeout_s, f"marking the MLflow run {status}")
         except Exception as exc:
-            print(f"error: could not mark MLflow run {tracker.run_id} {status} ({exc}); it may show RUNNING. "
-                  f"Set it with: mlflow runs ... or rerun --resume.", file=sys.stderr)
+            closed = False
+            print(f"error: MLflow run {tracker.run_id} could not be marked {status} and still shows RUNNING: its "
+                  f"store refused ({describe(exc)}), so its record cannot be changed from here. Once the store takes "
+                  "writes again, `--resume` closes it.", file=sys.stderr)
     if record_error is not None:
         raise record_error
+    return closed

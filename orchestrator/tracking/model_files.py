@@ -4,13 +4,16 @@ MLflow's own `mlflow.pytorch.load_model` prefers a `data/model.pth` to the `data
 unpickles it (running whatever it holds); before that it puts the model's `code/` directory first on
 `sys.path` and imports the module `data/pickle_module_info.txt` names. Anyone who can write a run's
 artifacts could plant those files. So the model is downloaded once, its files are checked here (a pt2
-program, no pickle file, no code directory), and only then handed to MLflow's loader with
+program, no pickle file), its code directory is dropped from the download (a pt2 program needs no code; the
+one ampflow logs holds the pyfunc loader and the job's own modules for other loaders), and only then is it
+handed to MLflow's loader with
 `MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false`, under which MLflow refuses a pt2 archive any of whose records
 is not plain data before `torch.export.load` reads it.
 """
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +36,7 @@ def load_pt2_model(model_uri: str, what: str):
     with tempfile.TemporaryDirectory(prefix="ampflow-model-") as downloaded:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=downloaded))
         _check_files(local, what)
+        _drop_code(local)
         try:
             with _pickle_refused():
                 return mlflow.pytorch.load_model(str(local))
@@ -48,8 +52,6 @@ def _check_files(local: Path, what: str) -> None:
         data = (local / flavor["model_data"]).resolve()
     except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
         raise BadInput(f"{what} is not an MLflow PyTorch model ({type(exc).__name__}: {exc}).") from None
-    if flavor.get("code"):
-        raise BadInput(f"{refuse}: it ships a code directory ('{flavor['code']}') that would be put on sys.path.")
     if not data.is_relative_to(local.resolve()):
         raise BadInput(f"{what} is not an MLflow PyTorch model: its model_data points outside it ({data}).")
     planted = [name for name in PICKLE_FILES if (data / name).exists()]
@@ -60,6 +62,16 @@ def _check_files(local: Path, what: str) -> None:
                        "in the job to export at the end of training, from its checkpoint.")
     if not (data / "model.pt2").is_file():
         raise BadInput(f"{refuse}: it has no pt2 program ({data.name}/model.pt2).")
+
+
+def _drop_code(local: Path) -> None:
+    """Remove the downloaded model's code directory and the flavour's mention of it: MLflow's loader would put it
+    first on sys.path, where a planted module would shadow any import."""
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+    code = mlmodel["flavors"]["pytorch"].pop("code", None)
+    if code:
+        shutil.rmtree(local / code, ignore_errors=True)
+        (local / "MLmodel").write_text(yaml.safe_dump(mlmodel))
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ logged is redacted in one place (`orchestrator.tracking.secrets`).
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -19,11 +20,12 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
+from orchestrator.tracking.refusals import Refusals
 from orchestrator.tracking.secrets import redact, redact_all
 
 if TYPE_CHECKING:
@@ -158,6 +160,20 @@ def _create_experiment(client, name: str) -> str:
         return experiment.experiment_id
 
 
+def _write(method):
+    """A write to the run: one MLflow refuses is counted in the tracker's `refusals` (then raised as it was)."""
+
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            self.refusals.refused(exc)
+            raise
+
+    return counted
+
+
 class RunTracker:
     """Driver-side handle on the job's MLflow run."""
 
@@ -166,6 +182,10 @@ class RunTracker:
 
         self.uri, self.experiment_id, self.run_id = uri, experiment_id, run_id
         self._client = MlflowClient(tracking_uri=uri)
+        self.refusals = Refusals()
+        """Every write to the run MLflow refused, by kind (the driver shares one with the run's writer)."""
+        self.artifacts_logged: set[str] = set()
+        """The artifact paths this tracker logged (`missing_artifacts` checks they are still there)."""
 
     @classmethod
     def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
@@ -246,6 +266,7 @@ class RunTracker:
 
     # -- writing ----------------------------------------------------------------------------------
 
+    @_write
     def log_metrics(self, metrics: dict[str, float], step: int = 0, timestamp_ms: Optional[int] = None) -> None:
         """One batch of metrics at `step`; `timestamp_ms` keeps when they were measured (a backfill after
         an outage), default now."""
@@ -254,9 +275,11 @@ class RunTracker:
         timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), timestamp, step) for k, v in metrics.items()])
 
+    @_write
     def set_tag(self, key: str, value: str) -> None:
         self._client.set_tag(self.run_id, key, redact(value))
 
+    @_write
     def log_datasets(self, datasets: Sequence["DatasetLineage"]) -> None:
         """The run's dataset inputs (`orchestrator.tracking.lineage`): each with its context, a tensor schema
         and a profile of its size and sample shape."""
@@ -282,6 +305,7 @@ class RunTracker:
             inputs.append(DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, d.context)]))
         self._client.log_inputs(self.run_id, datasets=inputs)
 
+    @_write
     def log_params(self, params: dict[str, Any]) -> None:
         """More params (new keys: MLflow refuses to change a param's value)."""
         from mlflow.entities import Param
@@ -290,6 +314,7 @@ class RunTracker:
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
             self._client.log_batch(self.run_id, params=items[i : i + 100])
 
+    @_write
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Several tags in one batch; values as text, cut to MLflow's 5000 characters."""
         from mlflow.entities import RunTag
@@ -297,16 +322,22 @@ class RunTracker:
         self._client.log_batch(self.run_id, tags=[RunTag(key, str(value)[:5000])
                                                  for key, value in redact_all(tags).items()])
 
+    @_write
     def log_dict(self, value: Any, artifact_path: str) -> None:
         """A JSON (or YAML, by the path's suffix) artifact, replacing any at that path."""
         self._client.log_dict(self.run_id, redact_all(value), artifact_path)
+        self.artifacts_logged.add(artifact_path)
 
+    @_write
     def log_text(self, text: str, artifact_path: str) -> None:
         self._client.log_text(self.run_id, redact(text), artifact_path)
+        self.artifacts_logged.add(artifact_path)
 
+    @_write
     def log_figure(self, figure, artifact_path: str) -> None:
         """A matplotlib figure as an image artifact (the caller closes the figure)."""
         self._client.log_figure(self.run_id, figure, artifact_path)
+        self.artifacts_logged.add(artifact_path)
 
     def log_model(self, model, inputs, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
         """Log the model as the run's MLflow model `name`, taking `inputs` (`logged_model.ModelInputs`: names,
@@ -359,13 +390,32 @@ class RunTracker:
         from orchestrator.tracking.plots import log_run_plots
 
         try:
-            log_run_plots(self._client, self.run_id, policy)
+            self.artifacts_logged.update(log_run_plots(self._client, self.run_id, policy))
         except Exception as exc:
-            logger.warning("ampflow: could not log the plots (%s).", exc)
+            kind = self.refusals.refused(exc)
+            logger.warning("ampflow: could not log the plots (%s).", kind)
 
+    @_write
     def finish(self, status: str) -> None:
         """FINISHED, FAILED or KILLED; a run is never left RUNNING."""
         self._client.set_terminated(self.run_id, status=status)
 
     def status(self) -> str:
         return self.run_info().status
+
+    def missing_artifacts(self) -> Optional[list[str]]:
+        """The artifacts this tracker logged that the run's artifact store no longer lists (its directory deleted
+        mid-run: a local store recreates it for the next artifact, silently without the earlier ones); None when
+        the store cannot be listed."""
+        try:
+            present = set(self._artifact_paths(None))
+        except Exception:
+            return None
+        return sorted(self.artifacts_logged - present)
+
+    def _artifact_paths(self, folder: Optional[str]) -> Iterator[str]:
+        for info in self._client.list_artifacts(self.run_id, folder):
+            if info.is_dir:
+                yield from self._artifact_paths(info.path)
+            else:
+                yield info.path

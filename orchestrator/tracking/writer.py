@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from orchestrator.tracking.refusals import Refusals, describe
 from orchestrator.tracking.tables import RENDERED
 from orchestrator.train.report import Report
 
@@ -36,25 +37,32 @@ RELAY_TIMEOUT_S = 30.0
 
 def retry(action: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Call `action` until it succeeds or `timeout_s` has passed (then raise its last error)."""
-    deadline, delay = time.monotonic() + timeout_s, 0.5
+    deadline, delay, said = time.monotonic() + timeout_s, 0.5, False
     while True:
         try:
             return action()
         except Exception as exc:
             if time.monotonic() + delay > deadline:
                 raise
-            logger.warning("ampflow: %s failed (%s); retrying in %.0fs.", what, exc, delay)
+            if not said:  # once: the refusals' summary counts the rest
+                logger.warning("ampflow: %s failed (%s); retrying for up to %.0fs.", what, describe(exc), timeout_s)
+                said = True
             time.sleep(delay)
             delay = min(delay * 2, 15.0)
 
 
 class MlflowWriter:
     def __init__(self, relay, tracker=None, start_run: Optional[Callable[[], Any]] = None, poll_s: float = 1.0,
-                 on_logged: Optional[Callable[[int], None]] = None):
+                 on_logged: Optional[Callable[[int], None]] = None, refusals: Optional[Refusals] = None):
         """`tracker`: the run's RunTracker, or None with `start_run` creating it once MLflow answers.
         `on_logged(seq)`: told (every few seconds, and at the end) the `seq` of the newest report MLflow has
-        taken with all before it, so the workers stop keeping those for a resumed run to send again."""
+        taken with all before it, so the workers stop keeping those for a resumed run to send again.
+        `refusals`: where the writes MLflow refused and the records it never took are counted (the tracker's
+        own, shared, by default)."""
         self.relay, self.tracker, self._start_run, self.poll_s = relay, tracker, start_run, poll_s
+        self.refusals = refusals or (tracker.refusals if tracker is not None else Refusals())
+        if tracker is not None:
+            tracker.refusals = self.refusals
         self.on_logged, self.logged_seq, self._told_seq, self._told_at = on_logged, 0, 0, 0.0
         self.pending: deque[tuple[str, Any]] = deque()
         self.last_step: dict[str, int] = {}
@@ -88,10 +96,8 @@ class MlflowWriter:
         if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
             if self._thread.is_alive():  # stuck in a call to MLflow or Ray: what it holds cannot be taken safely
-                unsent = sum(kind != "logged" for kind, _ in self.pending)
-                print(f"error: the MLflow writer did not stop within {timeout_s:g}s; {unsent} record(s) it held "
-                      "are lost.", file=sys.stderr)
-                return unsent
+                print(f"error: the MLflow writer did not stop within {timeout_s:g}s.", file=sys.stderr)
+                return self._count_lost()
         try:
             self._drain(timeout_s=min(RELAY_TIMEOUT_S, timeout_s))
         except Exception as exc:  # the relay went down with the workers (an interrupt): log what was taken already
@@ -100,10 +106,19 @@ class MlflowWriter:
         while not self._flush(force=True) and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         self._tell_logged(force=True)
-        unsent = sum(kind != "logged" for kind, _ in self.pending)
-        if unsent:
-            print(f"error: MLflow did not take {unsent} record(s) within tracking.flush_timeout_s="
-                  f"{timeout_s:g}s; they are lost. Check that the tracking server is up.", file=sys.stderr)
+        return self._count_lost()
+
+    def _count_lost(self) -> int:
+        """Count what MLflow never took (`refusals.lost`: metric values, tags, artifacts); returns the records."""
+        unsent = 0
+        for kind, payload in list(self.pending):
+            if kind in ("metrics", "system"):
+                self.refusals.lose("metric values", len(payload[2]))
+            elif kind == "tags":
+                self.refusals.lose("tags", len(payload))
+            elif kind != "logged":
+                self.refusals.lose("artifacts")
+            unsent += kind != "logged"
         return unsent
 
     def _run(self) -> None:
@@ -175,6 +190,7 @@ class MlflowWriter:
         try:
             if self.tracker is None and self._start_run is not None:
                 self.tracker = self._start_run()
+                self.tracker.refusals = self.refusals
                 logger.info(f"MLflow is reachable: created run {self.tracker.run_id}; backfilling.")
             while self.pending and self.tracker is not None:
                 self._apply(*self.pending[0])
@@ -182,8 +198,8 @@ class MlflowWriter:
         except Exception as exc:
             if self.outage_since is None:
                 self.outage_since = time.monotonic()
-                print(f"warning: MLflow is not answering ({type(exc).__name__}: {exc}); training goes on and "
-                      "metrics are kept to be logged when it is back.", file=sys.stderr)
+                print(f"warning: MLflow is not answering ({describe(exc)}); training goes on and metrics are "
+                      "kept to be logged when it is back.", file=sys.stderr)
             self._retry_at, self._backoff = time.monotonic() + self._backoff, min(self._backoff * 2, 30.0)
             return False
         if self.outage_since is not None:
@@ -195,6 +211,7 @@ class MlflowWriter:
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "metrics":
             step, timestamp, metrics = payload
+            self.refusals.step = step
             fresh = {key: value for key, value in metrics.items() if step > self.last_step.get(key, -1)}
             if fresh:
                 self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)

@@ -198,7 +198,39 @@ class Batches:
         return self.loader.sampler
 
     def __iter__(self) -> Iterator[Batch]:
-        return (self.layout.batch(raw) for raw in self.loader)
+        batches = iter(self.loader)
+        while True:
+            try:
+                raw = next(batches)
+            except StopIteration:
+                return
+            except Exception as exc:
+                raise loader_failure(exc, getattr(self.loader, "num_workers", 0)) from None
+            yield self.layout.batch(raw)
+
+
+class LoaderFailed(RuntimeError):
+    """The data loader failed: one of its worker processes died, or reading a sample raised in one. The attempt
+    ends (Ray Train restarts it under `failure.max_failures`); the message says which and what to do."""
+
+
+def loader_failure(exc: Exception, loader_workers: int = 0) -> Exception:
+    """`exc` as the loader raised it, or, from its worker processes, as a LoaderFailed in one line: PyTorch
+    reports a dead worker as a RuntimeError (or, when the worker died while handing over a batch, as the
+    connection error of that hand-over), and re-raises a worker's own error with its traceback as the text."""
+    text = str(exc)
+    died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
+    if loader_workers > 0 and isinstance(exc, (ConnectionError, EOFError)):
+        died, text = True, f"a DataLoader worker's connection failed ({type(exc).__name__}: {text})"
+    if died:
+        return LoaderFailed(f"the data loader failed: {text.strip()} (data.loader_workers: a worker process died, "
+                            "killed by a signal or out of memory). With failure.max_failures the run restarts from "
+                            "its newest checkpoint; give the workers more memory, or set data.loader_workers: 0 to "
+                            "read in the training process.")
+    if "in DataLoader worker process" in text:  # "Caught X in DataLoader worker process N.\nOriginal Traceback..."
+        cause = [line for line in text.splitlines() if line.strip()][-1].strip()
+        return LoaderFailed(f"the data loader failed in a worker process: {cause}")
+    return exc
 
 
 EXAMPLE_SAMPLES = 2

@@ -25,6 +25,25 @@ def unavailable(name: str, root: Path, reason: str) -> DataUnavailable:
         "network allows).")
 
 
+class UnreadableImage(ValueError):
+    """A file of an ImageFolder tree that is not a readable image (truncated, garbage bytes): named, with what to
+    do, instead of PIL's traceback."""
+
+
+def read_image(path: str):
+    """An ImageFolder image as RGB (torchvision's own loader does the same), or UnreadableImage naming the file."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as handle:
+            return Image.open(handle).convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:  # PIL: UnidentifiedImageError, truncated data, bad headers
+        raise UnreadableImage(
+            f"data: {path} is not a readable image ({type(exc).__name__}: {exc}). ImageFolder reads every file under "
+            f"data.root/train and data.root/val as an image: remove or replace this one, then run the job again (or "
+            f"--resume it).") from None
+
+
 def transforms_for(cfg, train: bool):
     from torchvision import transforms as T
 
@@ -53,8 +72,8 @@ def build(cfg) -> tuple[Dataset, Dataset]:
         if missing:
             raise DataUnavailable(f"data: ImageFolder needs {root}/train and {root}/val, one sub-directory per class "
                                   f"(missing: {', '.join(missing)}). Set data.root to the directory that holds them.")
-        return (datasets.ImageFolder(str(root / "train"), transform=train_tf),
-                datasets.ImageFolder(str(root / "val"), transform=eval_tf))
+        return (datasets.ImageFolder(str(root / "train"), transform=train_tf, loader=read_image),
+                datasets.ImageFolder(str(root / "val"), transform=eval_tf, loader=read_image))
     cls = getattr(datasets, name)
     try:
         if SPLIT_BY[name] == "train":
