@@ -23,6 +23,10 @@ steps the optimizer without computing or reading the flags (a stand-in built her
 The difference is the check: GradScaler's non-finite kernel over the gradients, the loss's isfinite and one
 host read (plus, on several ranks, one all-reduce of 2 x world-size floats).
 
+The step watchdog (`failure.step_timeout_s`) is measured the same way, on preset O0: `watched` is the loop step
+with the watchdog hook (its thread started, a timestamp stored at each step's end), `unwatched` the same loop with
+`failure.step_timeout_s: null`; and the timestamp alone (the hook's `after_step`, 1,000 calls).
+
 MLflow is measured separately: in ampflow the workers never talk to MLflow. Reports travel to the
 driver, where `orchestrator.tracking.writer.MlflowWriter` logs them from its own thread, off the
 training loop. The harness times that writer (`enqueue` + `_flush`, one `log_batch` per report)
@@ -112,6 +116,42 @@ def time_grad_check(device, model_name: str, batch: int, batches: list, *, warmu
         unchecked.close()
 
 
+def time_watchdog(device, model_name: str, batch: int, batches: list, *, warmup: int, repeats: int,
+                  steps: int) -> dict[str, list[float]]:
+    """Seconds per loop step on preset O0 with the step watchdog (`watched`, the job's default timeout) and
+    without it (`unwatched`, `failure.step_timeout_s: null`), and seconds per progress timestamp (`tick`: the
+    hook's `after_step`), interleaved round by round."""
+    from orchestrator.train.hooks.watchdog import Watchdog
+
+    def stepper(timeout_s):
+        return common.LoopStepper(common.job_config({
+            "model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O0"},
+            "run": {"batch_size": batch}, "tracking": {"system_metrics_interval_s": 0},
+            "failure": {"step_timeout_s": timeout_s}}), device)
+
+    watched, unwatched = stepper(600.0), stepper(None)
+    unwatched.training.prepared.raw.load_state_dict(watched.training.prepared.raw.state_dict())
+    (hook,) = [hook for hook in watched.loop.hooks.hooks if isinstance(hook, Watchdog)]
+    assert hook.thread is not None and hook.thread.is_alive() and not [
+        h for h in unwatched.loop.hooks.hooks if isinstance(h, Watchdog) and h.thread is not None]
+    streams = {"watched": itertools.cycle(batches), "unwatched": itertools.cycle(batches)}
+
+    def ticks() -> None:
+        for _ in range(1000):
+            hook.after_step(None, None)
+
+    try:
+        times = common.interleaved({"watched": lambda: watched.step(*next(streams["watched"])),
+                                    "unwatched": lambda: unwatched.step(*next(streams["unwatched"])),
+                                    "tick": ticks}, warmup=warmup, repeats=repeats, steps=steps,
+                                   sync=common.synchronize(device))
+    finally:
+        watched.close()
+        unwatched.close()
+    times["tick"] = [t / 1000 for t in times["tick"]]
+    return times
+
+
 def main(argv=None) -> int:
     cli = common.with_device(common.parser(HARNESS, "full training telemetry vs a bare autocast+GradScaler step; MLflow cost apart"))
     cli.add_argument("--model", help="registry name (default: simple_cnn on cpu, resnet18 on cuda)")
@@ -176,7 +216,10 @@ def main(argv=None) -> int:
         bare_scaler.step(bare_opt)
         bare_scaler.update()
 
-    sampler = stepper.loop.hooks.hooks[0].sampler  # the system-metrics hook's (None when off)
+    from orchestrator.train.hooks.system import SystemMetrics
+
+    (metrics_hook,) = [hook for hook in stepper.loop.hooks.hooks if isinstance(hook, SystemMetrics)]
+    sampler = metrics_hook.sampler  # None when off
     try:
         times = common.interleaved({"full": full_step, "none": bare_step}, warmup=warmup, repeats=repeats,
                                    steps=steps, sync=common.synchronize(device))
@@ -234,6 +277,21 @@ def main(argv=None) -> int:
                     "fp32_checked_ms_per_step": check_med["checked"] * 1e3,
                     "fp32_unchecked_ms_per_step": check_med["unchecked"] * 1e3,
                     "grad_check_ms_per_step": (check_med["checked"] - check_med["unchecked"]) * 1e3})
+    watch_times = time_watchdog(device, model_name, batch, batches, warmup=warmup, repeats=repeats, steps=steps)
+    watch_med = {name: common.median(values) for name, values in watch_times.items()}
+    print("step watchdog (failure.step_timeout_s, preset O0, the loop step with and without it):")
+    common.print_table(["candidate", "ms/step", "spread"], [[name, watch_med[name] * 1e3,
+                                                             f"{common.spread(values) * 100:.1f}%"]
+                                                            for name, values in watch_times.items()
+                                                            if name != "tick"])
+    print(f"the watchdog's per-step work alone (one timestamp): {watch_med['tick'] * 1e9:.0f} ns, "
+          f"{watch_med['tick'] / watch_med['unwatched'] * 100:.2g}% of a step")
+    figures.update({"watchdog_tick_ns": watch_med["tick"] * 1e9,
+                    "watchdog_tick_share": watch_med["tick"] / watch_med["unwatched"],
+                    "watched_ms_per_step": watch_med["watched"] * 1e3,
+                    "unwatched_ms_per_step": watch_med["unwatched"] * 1e3,
+                    "watched_spread": common.spread(watch_times["watched"]),
+                    "unwatched_spread": common.spread(watch_times["unwatched"])})
     print(f"system metrics: {samples_taken} samples during the run; one sample takes {sample_ms:.3g} ms on the "
           f"sampler's thread (every 10 s by default: {sample_ms / 100:.2g}% of one core)")
     if not args.no_mlflow:
@@ -249,7 +307,8 @@ def main(argv=None) -> int:
                 "warmup": warmup, "repeats": repeats, "steps_per_repeat": steps, "mlflow": not args.no_mlflow,
                 "smoke": args.smoke},
         figures=figures, ratios={"telemetry_step_time": med["full"] / med["none"],
-                                 "grad_check_step_time": check_med["checked"] / check_med["unchecked"]},
+                                 "grad_check_step_time": check_med["checked"] / check_med["unchecked"],
+                                 "watchdog_step_time": watch_med["watched"] / watch_med["unwatched"]},
         targets={"telemetry_step_time": TARGET}, json_path=args.json)
     return 0
 

@@ -11,6 +11,10 @@ this module like any user code (it is shipped with the job). Steps are global op
   between checkpoints.
 - `KillRank`: a rank's process dies with `os._exit` at the start of a step, as a preempted node or an OOM
   kill would: no exception, no cleanup. With a `marker` file, only once (a restarted worker group lives).
+- `StallForward`: a rank's forward blocks for good from a step on (a deadlocked model, a hung read), while its peers
+  wait for it in the gradients' all-reduce. With a `marker` file, only once.
+- `SigStop`: a rank's process stops itself with SIGSTOP at the start of a step: it can neither run nor write
+  anything, and its peers wait for it in a collective. With a `marker` file, only once.
 - `ReadOnlyPath`, `RemovePath`: a tracking store made read-only, or its artifact directory removed, mid-run.
 - `KillLoaderWorker`: a rank's DataLoader worker processes SIGKILLed mid-epoch.
 - `DiskFull`: the copy of a checkpoint to storage fails part-way with ENOSPC on every rank, as a disk
@@ -18,6 +22,8 @@ this module like any user code (it is shipped with the job). Steps are global op
 """
 
 import os
+import signal
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -81,6 +87,42 @@ class KillRank:
                 return
             Path(self.marker).write_text(f"rank {self.rank} killed at step {self.at_step}\n")
         os._exit(1)
+
+
+def first_time(marker: Optional[str], what: str) -> bool:
+    """Whether a drill marked by `marker` has not happened yet; leaves the marker (None: every time)."""
+    if marker is None:
+        return True
+    if Path(marker).exists():
+        return False
+    Path(marker).write_text(what + "\n")
+    return True
+
+
+class StallForward:
+    def __init__(self, rank: int, from_step: int, marker: Optional[str] = None):
+        self.rank, self.from_step, self.marker = rank, from_step, marker
+
+    def setup(self, loop) -> None:
+        if loop.rank == self.rank:
+            self.loop = loop
+            loop.training.prepared.raw.register_forward_pre_hook(self.blocked_forward)
+
+    def blocked_forward(self, module, inputs) -> None:
+        if module.training and self.loop.global_step >= self.from_step and first_time(
+                self.marker, f"rank {self.rank} stalled at step {self.loop.global_step}"):
+            while True:
+                time.sleep(0.5)
+
+
+class SigStop:
+    def __init__(self, rank: int, at_step: int, marker: Optional[str] = None):
+        self.rank, self.at_step, self.marker = rank, at_step, marker
+
+    def before_step(self, loop, step) -> None:
+        if loop.rank == self.rank and step.number == self.at_step and first_time(
+                self.marker, f"rank {self.rank} stopped at step {self.at_step}"):
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class DiskFull:

@@ -58,7 +58,7 @@ def test_fast_paths_harness(tmp_path):
 
 def test_telemetry_harness_with_mlflow(tmp_path):
     done, record = run_harness("telemetry", tmp_path)
-    check_record(done, record, "telemetry", {"telemetry_step_time", "grad_check_step_time"})
+    check_record(done, record, "telemetry", {"telemetry_step_time", "grad_check_step_time", "watchdog_step_time"})
     assert math.isfinite(record["figures"]["grad_check_alone_ms"])
     assert math.isfinite(record["figures"]["mlflow_ms_per_report"])
 

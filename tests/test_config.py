@@ -83,6 +83,10 @@ def test_resources_per_worker_accepts_any_resource(write_job):
         (small_job(precision={"preset": "O7"}), [], ["precision.preset", "O7", "O1"]),
         (small_job(precision={"compute_dtype": "float8"}), [], ["precision.compute_dtype", "float8"]),
         (small_job(precision={"loss_scale": "big"}), [], ["precision.loss_scale", "big"]),
+        (small_job(failure={"step_timeout_s": 0}), [], ["job.yaml", "failure.step_timeout_s", "> 0", "null"]),
+        (small_job(failure={"step_timeout_s": -5}), [], ["failure.step_timeout_s", "got -5"]),
+        (small_job(failure={"step_timeout_s": float("inf")}), [], ["failure.step_timeout_s", "finite"]),
+        (small_job(failure={"step_timeout_s": "soon"}), [], ["job.yaml", "failure.step_timeout_s", "soon"]),
         (small_job(), ["run=3"], ["command line", "section 'run' must be a mapping"]),
         (small_job(), ["run.epochs"], ["command line", "key.path=value"]),
     ],
@@ -143,3 +147,9 @@ def test_an_export_needs_class_scores_which_your_own_loss_gives_when_you_evaluat
     assert cfg.export.dtype == "float16"
     with pytest.raises(BadInput, match="export.dtype: the export is checked by its accuracy drop"):
         load_job(write_job(small_job(task={**own, "metrics": []}, export={"dtype": "float16"}), "no-accuracy.yaml"))
+
+
+def test_the_step_timeout_defaults_to_ten_minutes_and_null_turns_the_watchdog_off(write_job):
+    assert load_job(write_job(small_job())).failure.step_timeout_s == 600
+    assert load_job(write_job(small_job(failure={"step_timeout_s": None}))).failure.step_timeout_s is None
+    assert load_job(write_job(small_job()), ["failure.step_timeout_s=2.5"]).failure.step_timeout_s == 2.5

@@ -392,6 +392,11 @@ class CheckpointSection:
 class FailureSection:
     max_failures: int = 0
     """Worker-group restarts Ray Train may do before the job fails (-1: unlimited)."""
+    step_timeout_s: Optional[float] = 600.0
+    """Seconds a rank may go without finishing a step (or an evaluation, or staging a checkpoint) before its
+    watchdog saves every thread's stack to `diagnostics/stacks/` and ends the attempt (a worker failure, which
+    `max_failures` retries); the collective timeout is this plus 60 s. null: no watchdog, and torch's collective
+    timeout (30 min) stays."""
 
 
 @dataclass
@@ -419,7 +424,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """When checkpoints are written and where."""
     failure: FailureSection = field(default_factory=FailureSection)
-    """How many worker failures are retried."""
+    """How many worker failures are retried, and how long a rank may make no progress."""
     export: ExportSection = field(default_factory=ExportSection)
     """Half-precision export of the trained model for deployment."""
     callbacks: List[CallbackSection] = field(default_factory=list)

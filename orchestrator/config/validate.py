@@ -139,6 +139,9 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
     r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")
     r(cfg.failure.max_failures >= -1, "failure.max_failures", "must be >= 0, or -1 for unlimited.")
+    timeout = cfg.failure.step_timeout_s
+    r(timeout is None or (math.isfinite(timeout) and timeout > 0), "failure.step_timeout_s",
+      f"must be a finite number of seconds > 0, or null for no watchdog, got {timeout}.")
 
 
 def _check_strategy(cfg: DictConfig, r) -> None:

@@ -26,7 +26,7 @@ from orchestrator.train.report import Report
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted
 from orchestrator.runner.preflight import RunChoice
-from orchestrator.runner import outputs, records
+from orchestrator.runner import outputs, records, stalls
 from orchestrator.runner.records import close_run
 from orchestrator.runner.ray_start import RayStart, server_listens, start_ray
 from orchestrator.tracking.secrets import install_console_redaction, redact
@@ -356,6 +356,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
                             launched_at=ray_start.launched_at,
                             relay=relay)
     ray_start.trainer = trainer
+    stalled_before = set(stalls.attempts(storage, plan.run_name))
     failure = None
     with ConsoleProgress(lambda: writer.newest, lines=writer.take_printed, show_progress=console.progress_shown()):
         try:
@@ -367,8 +368,10 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         tracker = end.flush(cfg.tracking.flush_timeout_s)
     if tracker is not None and tracker.run_id != run_id:
         records.write_record(storage, plan.run_name, run_id=tracker.run_id)
+    stalled = stalls.new_stalls(storage, plan.run_name, cfg.scaling.num_workers, stalled_before)
     if failure is not None:
-        return _failed(plan, end, failure)
+        return _failed(plan, end, failure, stalled)
+    stalls.log_and_print(stalled, end.tracker, failed_by_last=False)
     return _finished(plan, end, result, module_sources)
 
 
@@ -412,14 +415,16 @@ def summarize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _failed(plan: RunPlan, end: RunEnd, failure) -> int:
+def _failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.StalledAttempt"] = ()) -> int:
     tracker = end.tracker
-    plan.result = RunResult(tracker.run_id if tracker is not None else None, "FAILED", {}, None, None,
-                            error=redact(summarize_failure(failure)))
+    stall = stalls.stalled_cause(list(stalled), failure)  # a watchdog ended the last attempt: name the stalled rank
+    cause = redact(stall or summarize_failure(failure))
+    plan.result = RunResult(tracker.run_id if tracker is not None else None, "FAILED", {}, None, None, error=cause)
+    stalls.log_and_print(list(stalled), tracker, failed_by_last=stall is not None)
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
     end.close("FAILED")
-    print(f"\ntraining failed: {redact(summarize_failure(failure))}", file=sys.stderr)
+    print(f"\ntraining failed: {cause}", file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None and end.closed else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
           f"{resume_hint(plan)}", file=sys.stderr)

@@ -7,6 +7,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from orchestrator.runner.worker import train_loop
+from orchestrator.train.hooks.watchdog import collective_timeout_s
 from orchestrator.train.memory import allocator_env
 from orchestrator.train.report import CHECKPOINT_SCORE
 
@@ -39,6 +40,15 @@ def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
     return runtime_env
 
 
+def torch_config(cfg: DictConfig) -> TorchConfig:
+    """gloo on CPU, NCCL on GPU (Ray Train's default picks by device; we say it explicitly), and a collective
+    timeout just past `failure.step_timeout_s`, so that the watchdog, not a collective's error, ends a stuck
+    attempt; without a step timeout, Ray Train's default (30 min)."""
+    backend = "nccl" if cfg.scaling.use_gpu else "gloo"
+    timeout_s = collective_timeout_s(cfg.failure.step_timeout_s)
+    return TorchConfig(backend=backend) if timeout_s is None else TorchConfig(backend=backend, timeout_s=timeout_s)
+
+
 def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,
                   worker_runtime_env: Optional[dict] = None, run_id: Optional[str] = None,
                   launched_at: Optional[float] = None, relay=None) -> DriverTrainer:
@@ -69,6 +79,5 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
                            "launched_at": launched_at, "relay": relay},
         scaling_config=scaling,
         run_config=run_config,
-        # gloo on CPU, NCCL on GPU: Ray Train's default picks by device; we say it explicitly.
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        torch_config=torch_config(cfg),
     )

@@ -50,6 +50,12 @@ class RaySession:
     def logged_through(self) -> int:
         return records.read_logged_through(self.storage.storage_filesystem, self.storage.experiment_fs_path)
 
+    def write_diagnostic(self, relative_path: str, text: str) -> None:
+        path = f"{self.storage.experiment_fs_path}/{relative_path}"
+        self.storage.storage_filesystem.create_dir(path.rpartition("/")[0], recursive=True)
+        with self.storage.storage_filesystem.open_output_stream(path) as out:
+            out.write(text.encode())
+
 
 def remove_partial(filesystem, path: str) -> None:
     """Remove a checkpoint directory Ray could not finish copying: never left for a resume to trip over."""

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.train.checkpoint import Candidate, local_candidates
+from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s
 from orchestrator.train.memory import allocator_env
 from orchestrator.train.report import Report
 
@@ -39,6 +41,11 @@ class LocalSession:
 
     def logged_through(self) -> None:
         return None  # the reports stay in this process: no driver can lose them
+
+    def write_diagnostic(self, relative_path: str, text: str) -> None:
+        path = self.directory / relative_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def exit_rank() -> NoReturn:
@@ -65,8 +72,10 @@ def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, 
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_gpu else torch.device("cpu")
     if use_gpu:
         torch.cuda.set_device(device)  # as Ray Train does: NCCL and FSDP's device mesh use the current device
+    timeout_s = collective_timeout_s(cfg.failure.step_timeout_s)  # as launch.build_trainer sets Ray Train's
     dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"file://{directory}/rendezvous",
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
     try:
         session = LocalSession(rank, world_size, device, Path(directory) / "checkpoints")
         training = TrainingLoop(cfg, session).run()
@@ -76,6 +85,18 @@ def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, 
     finally:
         dist.destroy_process_group()
     exit_rank()
+
+
+STOP_GRACE_S = 5.0
+
+
+def stalled_cause(run_dir: Path, world_size: int) -> str:
+    """The one-line cause of the newest attempt the watchdog ended, from the stacks in `run_dir`."""
+    attempts = sorted((run_dir / STACKS).iterdir()) if (run_dir / STACKS).is_dir() else []
+    if not attempts:
+        return "a rank's watchdog ended the run, but no stack was written"
+    texts = {int(path.stem[len("rank"):]): path.read_text() for path in attempts[-1].glob("rank*.txt")}
+    return Stall.of(texts, world_size).cause(str(attempts[-1]))
 
 
 @contextmanager
@@ -102,6 +123,16 @@ def spawn(job: dict[str, Any], world_size: int, directory: Path) -> dict[str, An
     directory.mkdir(parents=True, exist_ok=True)
     result = directory / "rank0.pt"
     with environment(allocator_env(job["perf"]["keep_freed_memory"])):
-        mp.spawn(_rank_main, args=(job, world_size, str(directory), str(result)), nprocs=world_size, join=True)
+        context = mp.spawn(_rank_main, args=(job, world_size, str(directory), str(result)), nprocs=world_size,
+                           join=False)
+        try:
+            # A failed rank's peers get a few seconds to end on their own (a stalled attempt's watchdogs write
+            # their stacks meanwhile), then SIGTERM, then SIGKILL (a stopped process heeds only that).
+            while not context.join(grace_period=STOP_GRACE_S):
+                pass
+        except mp.ProcessExitedException as exc:
+            if exc.exit_code == STALLED_EXIT:
+                raise StepStalled(stalled_cause(directory / "checkpoints", world_size)) from exc
+            raise
     outcome = torch.load(result, weights_only=True)
     return {**outcome, "reports": [Report.from_wire(wire) for wire in outcome["reports"]]}

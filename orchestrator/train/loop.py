@@ -42,6 +42,7 @@ from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
+from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
@@ -72,6 +73,10 @@ class Session(Protocol):
     def logged_through(self) -> Optional[int]:
         """(Rank 0) the `seq` of the newest report the driver has logged for sure, 0 when none is known; None
         when no driver can lose reports (nothing needs keeping)."""
+
+    def write_diagnostic(self, relative_path: str, text: str) -> None:
+        """Write a text file at `relative_path` in the run's storage, where the driver collects it (the
+        watchdog's stacks); called from another thread while the training thread may be stuck."""
 
 
 def in_groups(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -115,6 +120,7 @@ class TrainingLoop:
         self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
         self.outbox = ReplayOutbox(session, self.rank, self.device)
         self.hooks = Hooks([
+            Watchdog(cfg.failure.step_timeout_s),  # first: it is set up first and stopped first
             SystemMetrics(cfg.tracking.system_metrics_interval_s), TimeToFirstStep(launched_at), PolicyAudit(),
             MemoryReport(), LossScaleTelemetry(), CollapseRecovery(cfg.precision.scaler.on_collapse),
             ParamGroupTable(fresh=state is None),
