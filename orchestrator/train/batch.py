@@ -192,6 +192,11 @@ class Batches:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def sampler(self) -> Any:
+        """The loader's sampler: what it walks (`sampler.dataset`, the split) and where."""
+        return self.loader.sampler
+
     def __iter__(self) -> Iterator[Batch]:
         return (self.layout.batch(raw) for raw in self.loader)
 
