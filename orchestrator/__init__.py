@@ -13,13 +13,14 @@ __all__ = ["run", "predict", "RunResult", "BadInput", "Interrupted"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: `python -m orchestrator.submit` should not pay for the Python API's imports.
+    # Imported on first use: every `orchestrator.*` import runs this file first, and `python -m orchestrator.jobs`
+    # needs neither torch nor the API's imports.
     if name in ("run", "RunResult"):
-        from orchestrator import api
+        from orchestrator import api  # torch, omegaconf, the driver: seconds
 
         return getattr(api, name)
     if name == "predict":
-        from orchestrator.runner.predict import predict
+        from orchestrator.runner.predict import predict  # mlflow and torch: seconds
 
         return predict
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

@@ -20,8 +20,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator.config import load_job
 from orchestrator.errors import BadInput
+from orchestrator.runner import driver
 from orchestrator.runner.driver import RunResult
+from orchestrator.runner.preflight import preflight
+from orchestrator.runner.remote import is_job_server_address
 
 Job = Union[str, Path, Mapping[str, Any], DictConfig]
 
@@ -39,11 +43,6 @@ def train(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None
           resume: bool = False) -> tuple[RunResult, int]:
     """`run()`, and the exit code `submit` exits with for it (0, or 1 for a failed training or a refused
     export)."""
-    from orchestrator.config import load_job
-    from orchestrator.runner.driver import execute, plan_run_as_ray_starts
-    from orchestrator.runner.preflight import preflight
-    from orchestrator.runner.remote import is_job_server_address
-
     if is_job_server_address(address):
         raise BadInput(f"run(): {address} is a job server address; from Python, give the cluster's GCS address "
                        "(HOST:6379), or submit there with `python -m orchestrator.submit JOB --address URL`.")
@@ -62,8 +61,8 @@ def train(job: Job, overrides: Sequence[str] = (), address: Optional[str] = None
             job_path.write_text(yaml.safe_dump(content, sort_keys=False))
         cfg = load_job(job_path, list(overrides))
         checked = preflight([cfg], job_path, address, resume=resume)
-        plan = plan_run_as_ray_starts(cfg, job_path, address, checked.runs[0])
-        exit_code = execute(plan)
+        plan = driver.plan_run_as_ray_starts(cfg, job_path, address, checked.runs[0])
+        exit_code = driver.execute(plan)
         return plan.result, exit_code
     finally:
         if written is not None:

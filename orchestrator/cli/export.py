@@ -12,13 +12,12 @@ from typing import Optional, Sequence
 
 from orchestrator.cli.program import prog
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
+from orchestrator.runner.export import EXPORT_DTYPES, ExportRefused, export_logged_run
+from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from orchestrator.runner.export import EXPORT_DTYPES, ExportRefused, export_logged_run
-    from orchestrator.tracking.secrets import install_console_redaction, redact
-    from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri
-
     install_console_redaction()  # before anything can print the tracking URI's password (MLflow's lines included)
     quick_http_failures()
 

@@ -13,8 +13,9 @@ import sys
 from typing import Optional, Sequence
 
 from orchestrator.cli.program import prog
-from orchestrator.runner import remote
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from orchestrator.runner import remote
+from orchestrator.tracking.secrets import install_console_redaction
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -63,8 +64,6 @@ def stop(client, job_id: str, address: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from orchestrator.tracking.secrets import install_console_redaction
-
     install_console_redaction()  # job logs and errors may carry a URI's password or a token
     args = parse_args(argv)
     try:

@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.tracker import quick_http_failures
 
 INPUTS = (".pt", ".npy")
 """Input files: a tensor or a dict of tensors (`.pt`, loaded weights-only), or an array (`.npy`, no pickles)."""
@@ -59,10 +61,6 @@ def write_outputs(outputs: Any, path: Path) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from orchestrator.runner.predict import load
-    from orchestrator.tracking.secrets import install_console_redaction, redact
-    from orchestrator.tracking.tracker import quick_http_failures
-
     install_console_redaction()
     quick_http_failures()
     parser = argparse.ArgumentParser(
@@ -83,6 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.batch_size < 1:
             raise BadInput(f"--batch-size: must be >= 1, got {args.batch_size}.")
         data = args.data if args.data == "eval" else read_inputs(Path(args.data))
+        from orchestrator.runner.predict import load  # it imports mlflow (seconds): --help and bad flags exit first
         predictor = load(args.model, args.tracking_uri, args.device)
         outputs = predictor.over(data, args.batch_size)
         written = write_outputs(outputs, args.output)

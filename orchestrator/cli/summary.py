@@ -125,6 +125,7 @@ def _fsdp_rank0(model: nn.Module, policy: Policy, plans: dict, opt: torch.optim.
                 masters: Optional[MasterWeights], world_size: int, wrap: Sequence[str], device: torch.device
                 ) -> dict[str, Any]:
     """What rank 0 of `world_size` holds under FSDP (the most of any rank), its units and the gathered peak."""
+    # torch.distributed.fsdp: over a second to import, for --strategy fsdp only
     from orchestrator.precision.fsdp import FsdpSettings, plan_units
     from orchestrator.train.fsdp_memory import gathered_bytes, predict_rank_bytes
 

@@ -27,19 +27,25 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.cli.program import prog
 from orchestrator import console
+from orchestrator.cli.program import prog
 from orchestrator.cli.sweep_grid import PRESET_KEY, parse_grid, point_labels
-from orchestrator.config import reference
-from orchestrator.train import models
-
-from orchestrator.runner import remote
-from orchestrator.runner.preflight import RunChoice
-from orchestrator.config import flatten, load_job
-from orchestrator.config.loader import parse_overrides
+from orchestrator.cli.sweep_report import (add_baseline_ratios, child_row, comparison_figure, label_of, markdown_table,
+                                           verdict)
+from orchestrator.config import flatten, load_job, reference
+from orchestrator.config.loader import configs_dir, parse_overrides
+from orchestrator.config.yamlsafe import load_yaml_mapping
 from orchestrator.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, Interrupted,
                                  exit_within, interrupt_on_sigint, interrupt_on_sigterm)
+from orchestrator.runner import remote
+from orchestrator.runner.driver import execute, plan_run
+from orchestrator.runner.preflight import RunChoice, preflight
+from orchestrator.runner.ray_start import init_ray
+from orchestrator.runner.records import close_run
+from orchestrator.tracking.plots import _pyplot
 from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri, standard_tags, view_hint
+from orchestrator.train import models
 
 logger = logging.getLogger("ampflow.sweep")
 
@@ -102,9 +108,6 @@ def check_precision_keys(job_path: Path, overrides: list[str], configs: Sequence
     One that replaces a value a preset file sets would make that child not the preset it is named
     after, and the comparison a lie: exit 2. The rest (rules, scaler tuning, lint) are announced.
     """
-    from orchestrator.config.loader import configs_dir, parse_overrides
-    from orchestrator.config.yamlsafe import load_yaml_mapping
-
     own = dict(load_yaml_mapping(job_path).get("precision") or {})
     own.update(OmegaConf.to_container(parse_overrides(overrides)).get("precision") or {})
     own.pop("preset", None)
@@ -124,8 +127,6 @@ def check_precision_keys(job_path: Path, overrides: list[str], configs: Sequence
 
 def validate(args: argparse.Namespace) -> SweepPlan:
     """Submit's pre-flight, for every preset, before anything starts; BadInput (exit 2) otherwise."""
-    from orchestrator.runner.preflight import preflight
-
     if remote.is_job_server_address(args.address):
         raise BadInput(f"--address {redact(args.address)}: the sweep does not submit to a job server; it runs "
                        "the presets from this process. Pass the cluster's Ray address (ray://HEAD:10001), or "
@@ -168,8 +169,6 @@ def validate(args: argparse.Namespace) -> SweepPlan:
 def start_parent(plan: SweepPlan, max_accuracy_drop: float):
     """The parent MLflow run: the common config (without what varies per child: the swept keys, and the whole
     precision section when presets are swept), the sweep's params and tags."""
-    from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri, standard_tags
-
     quick_http_failures()
     base = next(iter(plan.configs.values()))
     swept = [key for key, _ in plan.grid]
@@ -204,9 +203,6 @@ def start_parent(plan: SweepPlan, max_accuracy_drop: float):
 def run_children(plan: SweepPlan, parent) -> list[tuple[str, Any, int]]:
     """Each point's run, in order: (label, its RunTracker or None, exit code). A failed child does not stop
     the others; Ctrl-C closes the running child KILLED (if `execute` did not already) and propagates."""
-    from orchestrator.runner.driver import execute, plan_run
-    from orchestrator.runner.records import close_run
-
     results = []
     for number, ((label, cfg), run) in enumerate(zip(plan.configs.items(), plan.runs), start=1):
         _ctrl_c_interrupts()
@@ -238,8 +234,6 @@ def _ctrl_c_interrupts() -> None:
 def grid_row(plan: SweepPlan, label: str, tracker, exit_code: int) -> dict[str, Any]:
     """A child's comparison row: `child_row`, and for a grid its label (`point`) and a column per swept key
     (the preset is the `preset` column)."""
-    from orchestrator.cli.sweep_report import child_row
-
     row = child_row(tracker, plan.configs[label].precision.preset or "custom", exit_code)
     if not plan.presets_only:
         row["point"] = label
@@ -249,9 +243,6 @@ def grid_row(plan: SweepPlan, label: str, tracker, exit_code: int) -> dict[str, 
 
 def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
     """The comparison on the parent run: JSON rows, a Markdown table, a chart, per-preset metrics."""
-    from orchestrator.tracking.plots import _pyplot
-    from orchestrator.cli.sweep_report import comparison_figure, label_of, markdown_table
-
     parent.log_text(json.dumps(rows, indent=2), "sweep/comparison.json")
     parent.log_text(markdown_table(rows), "sweep/comparison.md")
     figure = comparison_figure(rows)
@@ -264,12 +255,7 @@ def log_comparison(parent, rows: list[dict[str, Any]]) -> None:
 def run_sweep(plan: SweepPlan, parent, max_accuracy_drop: float) -> int:
     """Run the children on one Ray, log and print the comparison; the parent always ends FINISHED (every
     child finished), FAILED or KILLED."""
-    import ray
-
-    from orchestrator.runner.ray_start import init_ray
-    from orchestrator.runner.records import close_run
-    from orchestrator.cli.sweep_report import add_baseline_ratios, label_of, markdown_table, verdict
-    from orchestrator.tracking.tracker import view_hint
+    import ray  # about a second to import: the sweep's --help and bad input exit without it
 
     base = next(iter(plan.configs.values()))
     swept = f"presets {', '.join(plan.configs)}" if plan.presets_only else f"{len(plan.configs)} points of " + \

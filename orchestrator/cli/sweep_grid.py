@@ -9,6 +9,7 @@ import itertools
 import re
 from typing import Optional, Sequence
 
+from orchestrator.config.loader import resolve_preset
 from orchestrator.errors import BadInput
 
 PRESET_KEY = "precision.preset"
@@ -16,8 +17,6 @@ PRESET_KEY = "precision.preset"
 
 def parse_presets(text: str, flag: str = "--presets") -> list[str]:
     """Canonical preset names, in order; BadInput for an empty list, unknown names and duplicates."""
-    from orchestrator.config.loader import resolve_preset
-
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise BadInput(f"{flag}: no preset given. List them comma-separated, e.g. --presets O0,O1,bf16-mixed.")

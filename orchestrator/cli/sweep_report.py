@@ -9,6 +9,8 @@ driver's own bookkeeping. A grid's rows add `point` (the label) and a column per
 import math
 from typing import Any, Optional, Sequence
 
+from orchestrator.tracking.plots import _pyplot
+
 ROW_KEYS = ("preset", "run_id", "status", "samples_per_s", "peak_memory_bytes", "final_accuracy",
             "skipped_steps", "wall_time_s", "speedup", "memory_ratio", "accuracy_delta")
 """The keys of each row of `sweep/comparison.json`, in this order (then, in a grid's, `point` and the swept
@@ -133,8 +135,6 @@ def verdict(rows: list[dict[str, Any]], max_accuracy_drop: float) -> str:
 
 def comparison_figure(rows: list[dict[str, Any]]):
     """Bars of samples/s and of peak memory per preset, final accuracy written above the throughput bars."""
-    from orchestrator.tracking.plots import _pyplot
-
     plt = _pyplot()
     presets = [label_of(row) for row in rows]
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))

@@ -70,11 +70,9 @@ def check_loss_name(name: str) -> None:
 
 def is_torchmetrics_class(target) -> bool:
     """Whether `target` (what an import path names) is a torchmetrics.Metric subclass."""
-    import inspect
-
     if not inspect.isclass(target) or "torchmetrics" not in {c.__module__.split(".")[0] for c in target.__mro__}:
         return False
-    from torchmetrics import Metric
+    from torchmetrics import Metric  # seconds to import; here only when `target` is one of its classes (so loaded)
 
     return issubclass(target, Metric)
 
@@ -90,8 +88,6 @@ METRIC_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*")
 def check_metric(spec, where: str, loss: str) -> None:
     """One `task.metrics` entry: a built-in, a function of the user's, or a torchmetrics Metric class whose
     constructor takes its kwargs (checked against its signature; nothing is called)."""
-    import inspect
-
     name, kwargs = spec.name, dict(spec.kwargs)
     if not is_import_path(name):
         if name not in METRICS:

@@ -12,12 +12,17 @@ from a URI, where its train state may be large.
 
 import hashlib
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from pyarrow import fs
+
+from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.runner.records import _filesystem
-from orchestrator.train.checkpoint import FACTS_FILE, STATE_FILE, manifest_file
+from orchestrator.train.checkpoint import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, manifest_file,
+                                          read_checkpoint)
 from orchestrator.train.resume import CheckpointFacts
 
 
@@ -74,11 +79,6 @@ def _stored(filesystem, directory: str, local: bool) -> Optional[StoredCheckpoin
 
 def _older(directory: str) -> Optional[StoredCheckpoint]:
     """A local checkpoint without its facts file, read whole; None when it does not verify."""
-    import pickle
-
-    from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
-    from orchestrator.train.checkpoint import CorruptCheckpoint, read_checkpoint
-
     try:
         state = read_checkpoint(Path(directory), 0)
     except (CorruptCheckpoint, RuntimeError, OSError, EOFError, pickle.UnpicklingError):
@@ -90,8 +90,6 @@ def _older(directory: str) -> Optional[StoredCheckpoint]:
 
 def stored_checkpoints(storage_path: str, run_name: str) -> Iterator[StoredCheckpoint]:
     """The run's complete checkpoints, newest first."""
-    from pyarrow import fs
-
     filesystem, base = _filesystem(storage_path)
     run_dir = f"{base}/{run_name}"
     infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))

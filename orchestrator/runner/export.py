@@ -23,6 +23,7 @@ from orchestrator.precision.finite import model_nonfinite
 from orchestrator.tracking.logged_model import ModelInputs
 from orchestrator.train.batch import Batches, BatchLayout, InputExample
 from orchestrator.train.data import build_datasets, collate_fn
+from orchestrator.train.models import build_model
 from orchestrator.train.modes import eval_mode
 
 EXPORT_DTYPES = ("float16", "bfloat16")
@@ -120,8 +121,6 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
 
 def trainable_copy(logged: nn.Module, cfg) -> nn.Module:
     """The job's model class with the logged fp32 weights: pt2 programs cannot be re-cast, modules can."""
-    from orchestrator.train.models import build_model
-
     model = build_model(cfg.model)
     try:
         model.load_state_dict(logged.state_dict())

@@ -10,8 +10,12 @@ from omegaconf import DictConfig
 
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.precision.finite import NonFiniteModel, model_nonfinite
+from orchestrator.runner.export import ExportRefused, export
+from orchestrator.tracking.logged_model import ModelInputs
+from orchestrator.tracking.tracker import register_model
 from orchestrator.train import models
 from orchestrator.train.report import Report
+from orchestrator.train.strategy import load_trained_weights
 
 
 def log_outputs(cfg: DictConfig, result, tracker, module_sources: Sequence[Path] = ()) -> tuple[Optional[str], int]:
@@ -22,8 +26,6 @@ def log_outputs(cfg: DictConfig, result, tracker, module_sources: Sequence[Path]
     if cfg.tracking.log_model and final_checkpoint is not None:
         model_uri = log_trained_model(cfg, final_checkpoint, tracker, module_sources)
     if model_uri is not None and cfg.tracking.register_model:
-        from orchestrator.tracking.tracker import register_model
-
         register_model(tracker, model_uri, cfg.tracking.register_model,
                        {"preset": cfg.precision.preset or "custom", "run_id": tracker.run_id,
                         **{key: f"{value:.6g}" for key, value in tracker.latest_metrics().items()
@@ -39,8 +41,6 @@ def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequ
     """Log the checkpoint's model (fp32, eval mode) to the run, taking the inputs it trained on (names, dtypes
     and an example from its first batch); returns its URI, or None with a warning when it cannot be logged (the
     trained run stands either way)."""
-    from orchestrator.tracking.logged_model import ModelInputs
-
     try:
         model, state = _trained_model(cfg, checkpoint)
         if state.input_example:
@@ -81,8 +81,6 @@ def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
     batch statistics never leak into a prediction), and the checkpoint's train state. NonFiniteModel when the
     weights are not finite. Under FSDP the weights are read whole from the checkpoint's shards here, on the
     driver."""
-    from orchestrator.train.strategy import load_trained_weights
-
     model = models.build_model(cfg.model)
     state = load_trained_weights(checkpoint, model)
     problem = model_nonfinite(model)
@@ -92,8 +90,6 @@ def _trained_model(cfg: DictConfig, checkpoint) -> tuple:
 
 
 def _export_after_training(cfg: DictConfig, checkpoint, tracker) -> int:
-    from orchestrator.runner.export import ExportRefused, export
-
     try:
         result = export(_trained_model(cfg, checkpoint)[0], cfg, cfg.export.dtype, tracker, cfg.export.max_accuracy_drop)
     except (ExportRefused, NonFiniteModel) as exc:

@@ -23,10 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
+import mlflow
 import torch
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from orchestrator.errors import BadInput
+from orchestrator.precision import Policy, apply, autocast_context, plan
+from orchestrator.precision.precision import bf16_unsupported
+from orchestrator.tracking.model_files import load_pt2_model
+from orchestrator.tracking.secrets import redact
+from orchestrator.tracking.tracker import RunTracker, resolve_uri
+from orchestrator.train.data import build_datasets
+from orchestrator.train.models import build_model
 
 TRAINED_MODEL = "model"
 """The name a run logs its fp32 model under; an export is `model_<dtype>`."""
@@ -63,8 +73,6 @@ class Predictor:
             if self.cfg is None:
                 raise BadInput("data: 'eval' is the run's eval split, and this model comes from no run of ampflow; "
                                "give a dataset or a batch.")
-            from orchestrator.train.data import build_datasets
-
             data = build_datasets(self.cfg.data, self.cfg.model.num_classes)[1]
         if isinstance(data, (torch.Tensor, Mapping)):
             return self(data)
@@ -85,13 +93,6 @@ class Predictor:
 def load(model: str, tracking_uri: Optional[str] = None, device: Optional[str] = None) -> Predictor:
     """The logged model `model` names (a run id, or a model URI), ready to predict; BadInput when there is none
     there, or it cannot be loaded without unpickling."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking.model_files import load_pt2_model
-    from orchestrator.tracking.secrets import redact
-    from orchestrator.tracking.tracker import RunTracker, resolve_uri
-
     uri = resolve_uri(tracking_uri, Path.cwd())
     mlflow.set_tracking_uri(uri)  # runs:/ and models:/ URIs resolve through it
     model_uri = model if ":/" in model else f"runs:/{model}/{TRAINED_MODEL}"
@@ -113,8 +114,6 @@ def load(model: str, tracking_uri: Optional[str] = None, device: Optional[str] =
 
 def _run_job(tracker) -> Optional[Any]:
     """The run's job config, or None for a run not made by ampflow."""
-    from omegaconf import OmegaConf
-
     try:
         return OmegaConf.create(tracker.load_text("config/job.yaml"))
     except Exception:  # MlflowException, OSError: no such artifact
@@ -124,10 +123,6 @@ def _run_job(tracker) -> Optional[Any]:
 def _as_trained(program: torch.nn.Module, cfg: Any, promoted: list[str], model_uri: str,
                 device: Optional[str]) -> Predictor:
     """The job's model with the program's weights, cast and run as the run's precision policy says."""
-    from orchestrator.precision import Policy, apply, autocast_context, plan
-    from orchestrator.precision.precision import bf16_unsupported
-    from orchestrator.train.models import build_model
-
     where = f"{model_uri} as trained"
     try:
         model = build_model(cfg.model)

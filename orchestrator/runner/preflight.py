@@ -20,9 +20,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
 from omegaconf import DictConfig
+from torch.utils.data import default_collate
 
 from orchestrator.errors import BadInput
+from orchestrator.runner import records
+from orchestrator.runner.checkpoints import newest
+from orchestrator.runner.remote import is_job_server_address
+from orchestrator.tracking.lineage import describe as describe_lineage
+from orchestrator.train.batch import BatchLayout, describe as describe_value
+from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
+from orchestrator.train.lint import lint
+from orchestrator.train.models import build_model
+from orchestrator.train.modes import eval_mode
+from orchestrator.train.optim import check_on_model
+from orchestrator.train.resume import Layout, check_model, check_resume
+from orchestrator.train.strategy import check_plan
+from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
 
 
 @dataclass
@@ -57,9 +72,6 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
 
     `configs`: the job's resolved config, or a sweep's, one per point of its grid (the first is the base).
     """
-    from orchestrator.runner.remote import is_job_server_address
-    from orchestrator.train import data, models, strategy
-
     to_job_server = is_job_server_address(address)
     built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
     lineage: dict[str, list] = {}  # the data's lineage per distinct data section
@@ -69,15 +81,15 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
         what = repr((cfg.model, cfg.data, cfg.task))
         if what not in built:
             if not to_job_server:  # a remote job reads its data on the cluster, which checks it there
-                data.ensure_available(cfg.data)
-            built[what] = models.build_model(cfg.model)  # a broken model fails here, before Ray starts
+                ensure_available(cfg.data)
+            built[what] = build_model(cfg.model)  # a broken model fails here, before Ray starts
             if not to_job_server:
                 lineage[repr(cfg.data)], evaluated[what] = check_data_fits_model(cfg, built[what])
         if what in evaluated:
             check_metric_names(cfg, evaluated[what])
         check_optimizer(cfg, built[what], warned)
         check_lint(cfg, built[what])
-        strategy.check_plan(cfg, built[what])  # scaling.strategy fsdp: the units and their policies can be planned
+        check_plan(cfg, built[what])  # scaling.strategy fsdp: the units and their policies can be planned
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
             check_local_capacity(cfg)
@@ -96,23 +108,17 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
 def describe_data(cfg: DictConfig, datasets: Optional[tuple] = None, batches: tuple = (None, None)) -> list:
     """The lineage of the job's train and eval sets (built from the config unless given); `batches`: a first
     `Batch` of each, whose inputs describe the samples."""
-    from orchestrator.tracking.lineage import describe
-    from orchestrator.train.data import build_datasets
-
     train, evaluation = datasets or build_datasets(cfg.data, cfg.model.num_classes)
-    return describe(cfg.data, [("train", train), ("eval", evaluation)], batches)
+    return describe_lineage(cfg.data, [("train", train), ("eval", evaluation)], batches)
 
 
 def first_batch(cfg: DictConfig, dataset, split: str):
     """Two samples of `dataset` collated as its loader collates them and read as `task.inputs`/`task.target`
     say: a collate function that fails on them, or a part the batch lacks, is bad input naming the key."""
-    from orchestrator.train.batch import BatchLayout
-    from orchestrator.train.data import collate_fn, collate_source
-
     samples = [dataset[i] for i in range(min(2, len(dataset)))]
     collate = collate_fn(cfg.data, dataset)
     if collate is None:
-        from torch.utils.data import default_collate as collate
+        collate = default_collate
     try:
         raw = collate(samples)
     except Exception as exc:  # whatever the collate function raises (RuntimeError on unequal sizes, KeyError, ...)
@@ -131,12 +137,6 @@ def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
     loss or metric that fails on them, a collate function that fails, a `task.inputs` part the batch lacks, and
     data `data.loader: device` cannot hold. Returns the data's lineage (`describe_data`) and the names of the
     metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
-    import torch
-
-    from orchestrator.train.batch import describe
-    from orchestrator.train.data import build_datasets, device_refusal
-    from orchestrator.train.modes import eval_mode
-
     train, evaluation = build_datasets(cfg.data, cfg.model.num_classes)
     if len(train) == 0:
         raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
@@ -164,13 +164,11 @@ def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
         raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
     lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
-    return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe(outputs))
+    return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe_value(outputs))
 
 
 def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") -> set[str]:
     """The job's loss and metrics on the model's outputs for two samples: the names an evaluation logs."""
-    from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
-
     def refuse(key: str, name: str, exc: Exception) -> BadInput:
         shape = described.partition(" ")[2] or described
         return BadInput(f"{key}: '{name}' fails on model {cfg.model.name}'s outputs ({shape}) for data "
@@ -189,8 +187,6 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
             raise BadInput(f"task.metrics[{index}].kwargs: {spec.name} refuses {dict(spec.kwargs)} "
                            f"({type(exc).__name__}: {str(exc)[:300]}). Fix the metric's kwargs.") from None
         try:
-            import torch
-
             metric.reset(torch.device("cpu"))
             metric.update(fp32(outputs), targets)
             computed = metric.sums if isinstance(metric, SummedMetric) else metric.compute()
@@ -214,8 +210,6 @@ def check_metric_names(cfg: DictConfig, evaluated: set[str]) -> None:
 def check_optimizer(cfg: DictConfig, model, warned: set[str]) -> None:
     """The job's optimizer and schedule, built on the model: what their constructors refuse is bad input here;
     an `optim.param_groups` glob that takes no parameter is a warning (printed once)."""
-    from orchestrator.train.optim import check_on_model
-
     for warning in check_on_model(cfg.optim, model):
         if warning not in warned:
             warned.add(warning)
@@ -225,8 +219,6 @@ def check_optimizer(cfg: DictConfig, model, warned: set[str]) -> None:
 def check_lint(cfg: DictConfig, model) -> None:
     """The precision lint: with `precision.lint: error` its errors stop the job and its warnings are printed;
     with `warn` everything is printed; `off` skips it."""
-    from orchestrator.train.lint import lint
-
     findings = lint(cfg, model) if cfg.precision.lint != "off" else []
     policy = f"preset {cfg.precision.preset}" if cfg.precision.preset else "this job's precision policy"
     errors = [f for f in findings if f.severity == "error"] if cfg.precision.lint == "error" else []
@@ -250,8 +242,6 @@ def choose_run(cfg: DictConfig, job_path: Path, resume: bool, *, model=None,
                train_samples: Optional[int] = None) -> RunChoice:
     """A new run under a name not taken in storage, or (`resume`) this job's newest interrupted run, checked
     against its newest checkpoint when `model` (the job's, built on the CPU) and `train_samples` are given."""
-    from orchestrator.runner import records
-
     storage = cfg.checkpoint.storage_path
     if resume:
         record = records.find_resumable(storage, job_path)
@@ -271,9 +261,6 @@ def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_sample
     IncompatibleResume (exit 2) naming the key and both values when the checkpoint cannot go on under it
     (`orchestrator.train.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
     for one written before checkpoints recorded them, on a storage URI: then only the workers check)."""
-    from orchestrator.runner.checkpoints import newest
-    from orchestrator.train.resume import Layout, check_model, check_resume
-
     stored = newest(cfg.checkpoint.storage_path, run_name)
     if stored is None:
         return None
@@ -321,8 +308,6 @@ def worker_resources(cfg: DictConfig) -> dict[str, float]:
 def check_local_capacity(cfg: DictConfig) -> None:
     """A local Ray gets this machine's CPUs and GPUs and nothing else: a job that can never fit fails
     here, before Ray starts, instead of waiting forever for resources."""
-    import torch
-
     have = {"CPU": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
             "GPU": float(torch.cuda.device_count())}
     workers = cfg.scaling.num_workers
@@ -339,7 +324,7 @@ def check_local_capacity(cfg: DictConfig) -> None:
 def check_cluster_capacity(cfg: DictConfig) -> Optional[str]:
     """On an existing cluster (Ray connected): a warning when it has too little right now (an autoscaler
     may still add nodes), else None."""
-    import ray
+    import ray  # loaded by then (Ray is connected); at the top it would cost the bad-input path a second
 
     total = ray.cluster_resources()
     for resource, per_worker in worker_resources(cfg).items():

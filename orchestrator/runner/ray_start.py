@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+from urllib.parse import urlsplit
 
 from orchestrator import console
 from orchestrator.errors import interrupt_on_sigterm, interrupted_by
@@ -65,7 +66,7 @@ def _host_port(address: str) -> Optional[tuple[str, int]]:
         return None
     if address == "auto":  # as ray.init resolves it: $RAY_ADDRESS, else the newest `ray start` on this machine
         try:
-            from ray._private.services import canonicalize_bootstrap_address
+            from ray._private.services import canonicalize_bootstrap_address  # Ray: costly, see `init_ray`
 
             address = canonicalize_bootstrap_address("auto")
         except Exception:  # nothing found: ray.init says so at once
@@ -88,7 +89,7 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
     initialised Ray (a notebook, the tests) we can only point same-machine workers at their
     directories through PYTHONPATH.
     """
-    import ray
+    import ray  # about a second to import; the driver imports this module, and its bad input exits before Ray
 
     if ray.is_initialized():
         if not module_sources:
@@ -130,7 +131,7 @@ class RayStart:
     def stop_training(self) -> None:
         """Kill the run's Ray Train controller, now: its workers go with it (Ray ends the actors an actor created
         when it dies), stuck or not. For an interrupt; the driver then closes the run and `release`s Ray."""
-        import ray
+        import ray  # costly to import, see `init_ray`
 
         controller = getattr(self.trainer, "controller", None)
         if controller is not None and ray.is_initialized():
@@ -143,7 +144,7 @@ class RayStart:
         """The SIGTERM handler as it was, and Ray shut down if this run started it. Only once the run is closed:
         until then its writer reads the relay through Ray, and a Ray call after `ray.shutdown()` would start a new
         local Ray (Ray initialises itself on use)."""
-        import ray
+        import ray  # costly to import, see `init_ray`
 
         if self.previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self.previous_sigterm)
@@ -156,7 +157,7 @@ class RayStart:
 def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStart:
     """`init_ray`, with what fails kept for `execute` to end the run with (FAILED, or KILLED for an interrupt),
     and submit's SIGTERM handler installed again: Ray's core worker sets one of its own."""
-    import ray
+    import ray  # costly to import, see `init_ray`
 
     start = RayStart(launched_at=time.time())
     found_running = ray.is_initialized()
@@ -174,9 +175,6 @@ def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStar
 def server_listens(uri: str, timeout_s: float = 2.0) -> bool:
     """Whether an http(s) tracking server accepts connections (other stores: True). A quick TCP connect, without
     importing MLflow, so that a server that is down is reported before Ray starts."""
-    import socket
-    from urllib.parse import urlsplit
-
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return True

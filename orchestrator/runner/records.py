@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from pyarrow import fs
+
 from orchestrator.errors import BadInput
+from orchestrator.tracking.refusals import describe
 
 RECORD = "ampflow_run.json"
 LOGGED = "ampflow_logged.json"
@@ -20,8 +23,6 @@ LOGGED = "ampflow_logged.json"
 
 
 def _filesystem(storage_path: str):
-    from pyarrow import fs
-
     return fs.FileSystem.from_uri(storage_path) if "://" in storage_path else (fs.LocalFileSystem(), storage_path)
 
 
@@ -51,8 +52,6 @@ def read_logged_through(filesystem, run_dir: str) -> int:
 
 
 def read_record(storage_path: str, run_name: str) -> Optional[dict[str, Any]]:
-    from pyarrow import fs
-
     filesystem, base = _filesystem(storage_path)
     path = f"{base}/{run_name}/{RECORD}"
     if filesystem.get_file_info(path).type == fs.FileType.NotFound:
@@ -62,8 +61,6 @@ def read_record(storage_path: str, run_name: str) -> Optional[dict[str, Any]]:
 
 
 def run_exists(storage_path: str, run_name: str) -> bool:
-    from pyarrow import fs
-
     filesystem, base = _filesystem(storage_path)
     return filesystem.get_file_info(f"{base}/{run_name}").type != fs.FileType.NotFound
 
@@ -105,8 +102,6 @@ def release(storage_path: str, run_name: str, created_storage: bool = False) -> 
 
 def find_resumable(storage_path: str, job_path: Path) -> dict[str, Any]:
     """The newest unfinished run of this job file in `storage_path`; BadInput when there is none."""
-    from pyarrow import fs
-
     filesystem, base = _filesystem(storage_path)
     job = str(job_path.resolve())
     records = []
@@ -131,8 +126,7 @@ def close_run(tracker, status: str, timeout_s: float, storage_path: Optional[str
     that still does not answer is reported, not raised: the run's end must not hide why it ended; returns
     whether the MLflow run was closed (True without one). A record that cannot be written is raised, after
     the MLflow run was marked FAILED (never left RUNNING)."""
-    from orchestrator.tracking.refusals import describe
-    from orchestrator.tracking.writer import retry
+    from orchestrator.tracking.writer import retry  # it imports ray, which the driver's bad-input path must not
 
     record_error = None
     try:

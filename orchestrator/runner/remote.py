@@ -66,6 +66,7 @@ STOP_GRACE_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "30"}
 
 def connect(address: str):
     """A JobSubmissionClient for `address`; BadInput (nothing submitted) when it cannot be used."""
+    # ray.job_submission: a second to import; submit imports this module, and its --help and bad input must not wait
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
@@ -92,7 +93,7 @@ def submit(job_path: Path, overrides: Sequence[str], address: str, *, wait: bool
 
     BadInput (exit 2) when nothing was submitted; otherwise the job's exit code.
     """
-    from ray.exceptions import AuthenticationError
+    from ray.exceptions import AuthenticationError  # Ray: costly to import, see `connect`
 
     project_dir = (project_dir or Path.cwd()).resolve()
     job_in_project = job_path_in_project(job_path, project_dir)
@@ -119,7 +120,7 @@ def submit(job_path: Path, overrides: Sequence[str], address: str, *, wait: bool
 
 def follow(client, job_id: str, address: str) -> int:
     """Print the job's logs as they come, then exit 0 if it SUCCEEDED, 1 if it FAILED or was STOPPED."""
-    from ray.job_submission import JobStatus
+    from ray.job_submission import JobStatus  # Ray: costly to import, see `connect`
 
     try:
         try:

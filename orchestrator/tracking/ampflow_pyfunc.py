@@ -9,7 +9,9 @@ pickled module only where MLflow allows unpickling.
 import os
 from typing import Any, Optional
 
+import mlflow.pytorch
 import numpy as np
+import torch
 
 
 class _Model:
@@ -17,8 +19,6 @@ class _Model:
         self.model, self.names, self.positional = model, list(names), int(positional)
 
     def predict(self, data: Any, params: Optional[dict] = None) -> Any:
-        import torch
-
         if isinstance(data, dict):
             missing = [name for name in self.names if name not in data]
             if missing:
@@ -38,8 +38,6 @@ class _Model:
 
 
 def _load_pyfunc(path: str, model_config: Optional[dict] = None) -> _Model:
-    import mlflow.pytorch
-
     config = model_config or {}
     model = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)), map_location="cpu")
     return _Model(model, config.get("names", []), config.get("positional", len(config.get("names", []))))

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -72,6 +73,7 @@ class ModelInputs:
         return len(self.names) == 1 and self.positional == 1
 
     def signature(self):
+        # mlflow: seconds to import; runner.export imports this module with the driver, whose bad input exits first
         from mlflow.models import ModelSignature
         from mlflow.types import Schema, TensorSpec
 
@@ -102,8 +104,9 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
     """The flavor's `save_model` (`mlflow.models.Model.log` calls it): a pt2 program when the model exports with
     its inputs positional, else the pickled module; then the example and ampflow's pyfunc. Appends the format
     used to `chosen`."""
-    import mlflow.pytorch
+    # mlflow: seconds to import; runner.export imports this module with the driver, whose bad input exits first
     import mlflow.pyfunc
+    import mlflow.pytorch
     from mlflow.models.utils import _save_example
 
     common = dict(mlflow_model=mlflow_model, signature=inputs.signature(), pip_requirements=pip_requirements,
@@ -132,9 +135,7 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
 def log_model(model: torch.nn.Module, inputs: ModelInputs, name: str, code_paths: Optional[list[str]],
               pip_requirements: list[str]) -> str:
     """Log `model` under the active run as MLflow model `name`; returns the format used (`pt2` or `pickle`)."""
-    from types import SimpleNamespace
-
-    from mlflow.models import Model
+    from mlflow.models import Model  # mlflow: seconds to import (see `save_model`)
 
     chosen: list[str] = []
     Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model), flavor_name="pytorch",

@@ -19,7 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+import mlflow
 import yaml
+from mlflow.exceptions import MlflowException
 
 from orchestrator.errors import BadInput
 
@@ -30,9 +32,6 @@ PICKLE_FILES = ("model.pth", "pickle_module_info.txt")
 def load_pt2_model(model_uri: str, what: str):
     """The `torch.nn.Module` of the pt2 program logged at `model_uri` (on the CPU). BadInput, naming `what` (e.g.
     "run RUN_ID's model 'model'"), when the model is not a pickle-free pt2 program."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
     with tempfile.TemporaryDirectory(prefix="ampflow-model-") as downloaded:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=downloaded))
         _check_files(local, what)

@@ -7,6 +7,7 @@ from orchestrator.precision.ledger import CATEGORIES
 
 
 def _pyplot():
+    # matplotlib: about a second to import, for the plots at a run's end only (pyplot after the backend is chosen)
     import matplotlib
 
     matplotlib.use("Agg")  # no display on workers, CI or clusters

@@ -70,7 +70,7 @@ def ensure_available(data_cfg) -> None:
         return
     if not data_cfg.download:
         raise _cifar_unavailable(root, "data.download is false")
-    from torchvision.datasets import CIFAR10
+    from torchvision.datasets import CIFAR10  # torchvision: seconds to import, only cifar10 needs it
 
     try:
         CIFAR10(str(root), train=True, download=True)
@@ -79,7 +79,7 @@ def ensure_available(data_cfg) -> None:
 
 
 def _cifar10(data_cfg) -> tuple[Dataset, Dataset]:
-    from torchvision import datasets, transforms
+    from torchvision import datasets, transforms  # torchvision: seconds to import, only cifar10 needs it
 
     root = Path(data_cfg.root)
     if not _cifar_files_present(root):
@@ -92,6 +92,7 @@ def _cifar10(data_cfg) -> tuple[Dataset, Dataset]:
 
 
 def _digits() -> tuple[Dataset, Dataset]:
+    # scikit-learn: seconds to import, and only the digits dataset needs it
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -262,7 +263,7 @@ def device_refusal(dataset: Dataset) -> Optional[str]:
         if len(dataset.tensors) == 2:
             return None
         return f"a TensorDataset of {len(dataset.tensors)} tensors (it takes two: inputs and targets)"
-    from torchvision.datasets import CIFAR10
+    from torchvision.datasets import CIFAR10  # torchvision: seconds to import; tensors never get here
 
     return None if isinstance(dataset, CIFAR10) else f"a {type(dataset).__name__}"
 
@@ -274,7 +275,7 @@ def device_split(dataset: Dataset, *, augment: bool) -> DeviceSplit:
         return DeviceSplit(dataset.tensors[0][rows], dataset.tensors[1][rows])
     if isinstance(dataset, TensorDataset) and device_refusal(dataset) is None:
         return DeviceSplit(dataset.tensors[0], dataset.tensors[1])
-    from torchvision.datasets import CIFAR10
+    from torchvision.datasets import CIFAR10  # torchvision: seconds to import; tensors never get here
 
     if isinstance(dataset, CIFAR10):  # .data is N x 32 x 32 x 3 uint8: kept as uint8 on the device (4x smaller)
         images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()

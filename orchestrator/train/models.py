@@ -43,7 +43,7 @@ class SimpleCNN(nn.Module):
 def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
     """torchvision's ResNet-18 adapted to small inputs (CIFAR's 32x32, MNIST's 28x28): 3x3 stem, stride 1, no
     max-pool; any size and `in_channels` (model.kwargs) channels, since it pools adaptively."""
-    from torchvision.models import resnet18 as tv_resnet18
+    from torchvision.models import resnet18 as tv_resnet18  # torchvision: seconds to import, for this model only
 
     model = tv_resnet18(weights=None, num_classes=num_classes)
     model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Optional
 
+import psutil
 import torch
 
 logger = logging.getLogger("ampflow.system")
@@ -26,8 +27,6 @@ def metric_prefix(rank: int) -> str:
 
 class SystemSampler:
     def __init__(self, rank: int, device: torch.device, interval_s: float):
-        import psutil
-
         self.rank, self.device, self.interval_s = rank, device, interval_s
         self.step = 0
         """The training step samples are logged at (the loop sets it)."""

@@ -45,7 +45,7 @@ def read_image(path: str):
 
 
 def transforms_for(cfg, train: bool):
-    from torchvision import transforms as T
+    from torchvision import transforms as T  # torchvision: seconds to import; train.data imports this module always
 
     t = cfg.transforms
     steps = [T.Grayscale(1)] if t.grayscale else []
@@ -63,7 +63,7 @@ def transforms_for(cfg, train: bool):
 def build(cfg) -> tuple[Dataset, Dataset]:
     """(train, eval) for a torchvision `data.name` (`config.names.TORCHVISION_DATASETS`); DataUnavailable when
     the files are not there."""
-    from torchvision import datasets
+    from torchvision import datasets  # torchvision: seconds to import; train.data imports this module always
 
     root, name = Path(cfg.root), cfg.name
     train_tf, eval_tf = transforms_for(cfg, train=True), transforms_for(cfg, train=False)
