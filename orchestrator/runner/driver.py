@@ -18,18 +18,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import console
 from orchestrator.train import models
 from orchestrator.train.report import Report
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted
-from orchestrator.runner.preflight import RunChoice
+from orchestrator.runner.checkpoints import newest_finite
+from orchestrator.runner.preflight import RunChoice, check_cluster_capacity
 from orchestrator.runner import outputs, records, stalls
 from orchestrator.runner.records import close_run
 from orchestrator.runner.ray_start import RayStart, server_listens, start_ray
+from orchestrator.tracking.progress import ConsoleProgress
+from orchestrator.tracking.refusals import Refusals
 from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.tracker import (
+    RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri, standard_tags, view_hint,
+)
 
 logger = logging.getLogger("ampflow.runner")
 
@@ -62,7 +68,6 @@ class RunPlan:
 @dataclass
 class RunResult:
     """How a run ended, for callers from Python (`from orchestrator import run`)."""
-
     run_id: Optional[str]
     """The MLflow run (None when MLflow never answered)."""
     status: str
@@ -79,7 +84,6 @@ class RunResult:
 
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None,
                datasets: Sequence = ()):
-    from orchestrator.tracking.tracker import RunTracker, standard_tags
 
     tags = {**standard_tags(job_path, Path.cwd()),
             "preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
@@ -105,8 +109,6 @@ def record_precision_change(tracker, cfg: DictConfig, resumed_from) -> None:
     `compute_dtype` name what trains from now on, `precision_history` lists each from its first step (JSON), and
     the params that changed are logged again as `from_step_<N>/precision.<key>` (MLflow keeps a param's first
     value)."""
-    from omegaconf import OmegaConf
-
     now = OmegaConf.to_container(cfg.precision, resolve=True)
     if resumed_from is None or not resumed_from.precision or resumed_from.precision == now:
         return
@@ -134,8 +136,6 @@ def plan_run(cfg: DictConfig, job_path: Path, address: Optional[str], run: RunCh
 
     `parent_run_id`: create the MLflow run as a child of that run (`orchestrator.cli.sweep`).
     """
-    from orchestrator.tracking.tracker import RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri
-
     quick_http_failures()
     uri = resolve_uri(cfg.tracking.uri, Path.cwd())
     run_name, resume = run.name, run.resume
@@ -170,8 +170,6 @@ def plan_run_as_ray_starts(cfg: DictConfig, job_path: Path, address: Optional[st
     with nothing started, or the warning of `tracking.required: false`). What `plan_run` refuses otherwise is
     raised here, after the Ray started for it is shut down; a Ray that failed, or a Ctrl-C / SIGTERM while it
     started, is `execute`'s to end the created run with."""
-    from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
-
     quick_http_failures()  # here, not on the thread: Ray's processes start with this environment
     if not server_listens(resolve_uri(cfg.tracking.uri, Path.cwd())):  # refused (exit 2) or warned before Ray
         plan = plan_run(cfg, job_path, address, run)
@@ -213,9 +211,7 @@ class RunEnd:
     everything the run logged (a run missing records is FAILED, tagged `tracking_incomplete`, never FINISHED),
     then `close_run` (run record + MLflow status) with the tracker as it is by then (MLflow may have come back
     mid-run), and says how many writes MLflow refused, one line per kind."""
-
     def __init__(self, plan: RunPlan):
-        from orchestrator.tracking.refusals import Refusals
 
         self.plan, self.tracker, self.writer, self.status = plan, plan.tracker, None, None
         self.refusals = plan.tracker.refusals if plan.tracker is not None else Refusals()
@@ -224,7 +220,6 @@ class RunEnd:
         """Whether MLflow took the run's final status (False: it still shows RUNNING)."""
         self.missing: list[str] = []
         """Artifacts the run logged that its artifact store no longer has."""
-
     def flush(self, timeout_s: float):
         """Stop the writer and log what it still holds; the tracker the run ended up with."""
         writer, self.writer = self.writer, None
@@ -309,13 +304,12 @@ def _execute_and_end(plan: RunPlan, end: "RunEnd") -> int:
 
 
 def _execute(plan: RunPlan, end: RunEnd) -> int:
+    # Ray's modules (a second or more to import) only once training starts: bad input exits before them.
     from ray.train import TrainingFailedError
 
     from orchestrator.runner.launch import build_trainer
-    from orchestrator.runner.preflight import check_cluster_capacity
-    from orchestrator.tracking.writer import MlflowWriter
-    from orchestrator.tracking.progress import ConsoleProgress
     from orchestrator.tracking.relay import RelayCallback, ReportRelay
+    from orchestrator.tracking.writer import MlflowWriter
 
     cfg, storage = plan.cfg, plan.cfg.checkpoint.storage_path
     if plan.tracker is not None:
@@ -395,7 +389,7 @@ def _last_frame(traceback_text: str) -> Optional[str]:
 
 def summarize_failure(exc: BaseException) -> str:
     """The worker's exception first: type, message, and where it was raised."""
-    from ray.train import ControllerError, WorkerGroupError
+    from ray.train import ControllerError, WorkerGroupError  # Ray is imported by then; not at the driver's import
 
     if isinstance(exc, WorkerGroupError) and exc.worker_failures:
         rank, cause = sorted(exc.worker_failures.items())[0]
@@ -433,8 +427,6 @@ def _failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.Stall
 
 def resume_hint(plan: RunPlan) -> str:
     """What a failed run can be continued from: its newest finite checkpoint, named, or nothing."""
-    from orchestrator.runner.checkpoints import newest_finite
-
     try:
         stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
     except OSError as exc:  # storage itself is what failed
@@ -447,7 +439,6 @@ def resume_hint(plan: RunPlan) -> str:
 
 
 def _finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]) -> int:
-    from orchestrator.tracking.tracker import view_hint
 
     cfg, tracker = plan.cfg, end.tracker
     if tracker is None:
@@ -496,7 +487,6 @@ def _incomplete(plan: RunPlan, end: RunEnd, result) -> int:
 
 
 def _recovery(plan: RunPlan) -> str:
-    from orchestrator.runner.checkpoints import newest_finite
 
     try:
         stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)

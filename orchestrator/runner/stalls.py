@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from pyarrow import fs
+
 from orchestrator.runner.records import _filesystem
 from orchestrator.tracking.secrets import redact
 from orchestrator.train.hooks.watchdog import STACKS, Stall
@@ -32,8 +34,6 @@ class StalledAttempt:
 
 def attempts(storage_path: str, run_name: str) -> list[str]:
     """The attempts the watchdog ended, oldest first ([] when none, or storage cannot be listed)."""
-    from pyarrow import fs
-
     filesystem, base = _filesystem(storage_path)
     try:
         infos = filesystem.get_file_info(fs.FileSelector(f"{base}/{run_name}/{STACKS}", allow_not_found=True))
@@ -43,8 +43,6 @@ def attempts(storage_path: str, run_name: str) -> list[str]:
 
 
 def read_attempt(storage_path: str, run_name: str, name: str, world_size: int) -> StalledAttempt:
-    from pyarrow import fs
-
     filesystem, base = _filesystem(storage_path)
     texts = {}
     for info in filesystem.get_file_info(fs.FileSelector(f"{base}/{run_name}/{STACKS}/{name}")):

@@ -6,6 +6,10 @@ FINISHED, FAILED or KILLED (`orchestrator.runner.records.close_run`). Workers ne
 a restarted worker group cannot create a second run. The writer, the sweep and export read and write
 through the small named methods here, never through an MLflow client of their own, so everything
 logged is redacted in one place (`orchestrator.tracking.secrets`).
+
+MLflow is imported inside the methods that use it, not here: it takes seconds to import, this module is on
+every command's start-up path (where bad input must exit 2 at once), and the driver's first MLflow call runs on
+a thread beside `ray.init`, so that the import overlaps Ray's start.
 """
 
 import contextlib
@@ -22,9 +26,13 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
+import numpy as np
+import torch
 from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
+from orchestrator.tracking import logged_model
+from orchestrator.tracking.plots import log_run_plots
 from orchestrator.tracking.refusals import Refusals
 from orchestrator.tracking.secrets import redact, redact_all
 
@@ -222,8 +230,6 @@ class RunTracker:
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
-        from orchestrator.errors import BadInput
-
         try:
             run = MlflowClient(tracking_uri=uri).get_run(run_id)
         except MlflowException as exc:
@@ -254,8 +260,7 @@ class RunTracker:
         unpickling anything (`orchestrator.tracking.model_files`); BadInput when it has none."""
         import mlflow
 
-        from orchestrator.errors import BadInput
-        from orchestrator.tracking.model_files import load_pt2_model
+        from orchestrator.tracking.model_files import load_pt2_model  # it imports MLflow at its top
 
         mlflow.set_tracking_uri(self.uri)  # `models:/` URIs resolve through the global tracking URI
         models = self._client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'")
@@ -283,7 +288,6 @@ class RunTracker:
     def log_datasets(self, datasets: Sequence["DatasetLineage"]) -> None:
         """The run's dataset inputs (`orchestrator.tracking.lineage`): each with its context, a tensor schema
         and a profile of its size and sample shape."""
-        import numpy as np
         from mlflow.data.schema import TensorDatasetSchema
         from mlflow.entities import Dataset, DatasetInput, InputTag
         from mlflow.types import Schema, TensorSpec
@@ -347,17 +351,14 @@ class RunTracker:
         pickled module with its custom code shipped alongside. Both with ampflow's pyfunc.
         """
         import mlflow
-        import torch
-        import torchvision
-
-        from orchestrator.tracking.logged_model import log_model
+        import torchvision  # only for its version, in the model's requirements
 
         mlflow.set_tracking_uri(self.uri)
         requirements = [f"torch=={torch.__version__.split('+')[0]}",
                         f"torchvision=={torchvision.__version__.split('+')[0]}"]
         with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
             warnings.simplefilter("ignore")  # signature inference chatter
-            return log_model(model, inputs, name, code_paths, requirements)
+            return logged_model.log_model(model, inputs, name, code_paths, requirements)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -387,7 +388,6 @@ class RunTracker:
 
     def log_plots(self, policy: Optional[str]) -> None:
         """The loss-scale and memory plots (best effort: a plot never fails a run)."""
-        from orchestrator.tracking.plots import log_run_plots
 
         try:
             self.artifacts_logged.update(log_run_plots(self._client, self.run_id, policy))

@@ -16,8 +16,11 @@ from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
 
 from orchestrator.train.checkpoint import Candidate, local_candidates
+from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s
 from orchestrator.train.memory import allocator_env
 from orchestrator.train.report import Report
@@ -63,10 +66,6 @@ def exit_rank() -> NoReturn:
 
 
 def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, result: str) -> None:
-    from omegaconf import OmegaConf
-
-    from orchestrator.train.loop import TrainingLoop
-
     cfg = OmegaConf.create(job)
     use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_gpu else torch.device("cpu")
@@ -118,8 +117,6 @@ def spawn(job: dict[str, Any], world_size: int, directory: Path) -> dict[str, An
     """Train a resolved job (a plain dict: `OmegaConf.to_container(cfg, resolve=True)`) on `world_size` local
     processes; returns rank 0's `reports` and final fp32 `weights`. Checkpoints go to `directory/checkpoints`.
     The ranks start with the allocator settings of `perf.keep_freed_memory`, as Ray Train workers do."""
-    import torch.multiprocessing as mp
-
     directory.mkdir(parents=True, exist_ok=True)
     result = directory / "rank0.pt"
     with environment(allocator_env(job["perf"]["keep_freed_memory"])):

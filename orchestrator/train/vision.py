@@ -7,6 +7,7 @@ error says where to put the files, as for CIFAR-10.
 
 from pathlib import Path
 
+from PIL import Image
 from torch.utils.data import Dataset
 
 from orchestrator.config.names import IMAGE_FOLDER, TORCHVISION_SPLIT_BY as SPLIT_BY
@@ -32,8 +33,6 @@ class UnreadableImage(ValueError):
 
 def read_image(path: str):
     """An ImageFolder image as RGB (torchvision's own loader does the same), or UnreadableImage naming the file."""
-    from PIL import Image
-
     try:
         with open(path, "rb") as handle:
             return Image.open(handle).convert("RGB")
