@@ -82,9 +82,9 @@ def without_grad_check(guard) -> None:
 
     assert not guard.scaler.is_enabled()
 
-    def step(optimizer, loss, number, named_tensors, clip_grad_norm=None):
+    def step(optimizer, loss, number, named_tensors, clip_grad_norm=None, clip_with=clip):
         guard.counters.epoch_steps += 1
-        grad_norm = clip(optimizer, clip_grad_norm)
+        grad_norm = clip_with(optimizer, clip_grad_norm)
         optimizer.step()
         guard._clean_step()
         return StepOutcome(stepped=True, grad_norm=grad_norm)
