@@ -32,7 +32,7 @@ CASES = {
                          "data.name: 'joblib:load' is refused"),
     "loss_torch_load": (small_job(task={"loss": "torch:load"}), [], "task.loss: 'torch:load' is refused"),
     "metric_pandas_read_pickle": (small_job(task={"metrics": ["pandas:read_pickle"]}), [],
-                                  "task.metrics: 'pandas:read_pickle' is refused"),
+                                  "task.metrics[0].name: 'pandas:read_pickle' is refused"),
     "num_classes_negative": (small_job(), ["model.num_classes=-1"], "model.num_classes: must be >= 1"),
     "run_name_escapes_storage": (small_job(), ["run.name=../../ESCAPED"], "run.name: '../../ESCAPED'"),
     "run_name_hidden": (small_job(), ["run.name=.hidden"], "run.name: '.hidden'"),
