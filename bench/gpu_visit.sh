@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU visit: every CUDA path and every GPU figure of ampflow in one command, each step time-bounded.
 #
-#   bench/gpu_visit.sh [--out DIR] [--only STEP,...] [--deadline SECONDS] [--dry-run]
+#   bench/gpu_visit.sh [--out DIR] [--only STEP,...] [--deadline SECONDS] [--quick] [--dry-run]
 #
 # On a CUDA machine with torch (Ray, MLflow, OmegaConf, torchvision not needed installed): installs the wheels
 # carried in .whl/ (and the packs in .whl-parts/, see `make gpu-wheels`) whose packages are missing, into
@@ -11,8 +11,9 @@
 #
 #   install, versions   always: the wheels, then DIR/versions.json (device, torch, CUDA, cuDNN, NCCL, packages)
 #   cuda_tests          the tests marked `cuda` in tests/ (they skip without CUDA)  -> cuda_tests.json
-#   quickstart          jobs/quickstart.yaml through the Ray-free loop under O1, O2, bf16-mixed
-#                       (quickstart-O1, quickstart-O2, quickstart-bf16-mixed; `quickstart` names all three)
+#   quickstart          jobs/quickstart.yaml through the Ray-free loop under O1, O2, bf16-mixed, and under FSDP2
+#                       with O2 and a float32 rule (quickstart-O1, quickstart-O2, quickstart-bf16-mixed,
+#                       quickstart-fsdp; `quickstart` names all four)
 #   gpu_amp policy telemetry fast_paths airbench   python -m bench.NAME on CUDA  -> NAME.json
 #   submit              the quickstart through `python -m orchestrator.submit`, when Ray and MLflow import
 #                       (carried as a pack; skipped otherwise)  -> submit.json
@@ -22,7 +23,7 @@
 # split in parts, see docs/benchmarks.md. --deadline: the whole command ends within SECONDS, summary
 # included: each step's bound is cut to the time left, and a step with too little left is recorded
 # `no_time`, not started. VISIT_TIMEOUT_<STEP> (e.g. VISIT_TIMEOUT_FAST_PATHS=900) changes a step's bound
-# in seconds. --dry-run runs the same steps on the CPU with tiny sizes, with Ray and MLflow made
+# in seconds. --quick: fewer timed rounds and a shorter airbench, for a visit of two 10-minute commands. --dry-run runs the same steps on the CPU with tiny sizes, with Ray and MLflow made
 # unimportable as on the visit machine: the test suite runs it to prove the plumbing.
 set -uo pipefail
 
@@ -32,7 +33,7 @@ PY="${PYTHON:-python3}"
 OUT_DIR="out/gpu-visit"
 ONLY=""
 DRY_RUN=0
-
+QUICK=0
 DEADLINE=""
 usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
@@ -44,6 +45,7 @@ while [ $# -gt 0 ]; do
     --deadline) DEADLINE="${2:?--deadline needs seconds}"; shift 2 ;;
     --deadline=*) DEADLINE="${1#--deadline=}"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --quick) QUICK=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: unknown argument '$1' (bench/gpu_visit.sh --help lists the options)" >&2; exit 2 ;;
   esac
@@ -52,7 +54,7 @@ done
 case "$DEADLINE" in
   ""|*[!0-9]*) [ -n "$DEADLINE" ] && { echo "error: --deadline takes whole seconds, e.g. 570" >&2; exit 2; } ;;
 esac
-STEPS="cuda_tests quickstart-O1 quickstart-O2 quickstart-bf16-mixed gpu_amp policy telemetry fast_paths airbench submit"
+STEPS="cuda_tests quickstart-O1 quickstart-O2 quickstart-bf16-mixed quickstart-fsdp gpu_amp policy telemetry fast_paths airbench submit"
 if [ -n "$ONLY" ]; then
   for name in ${ONLY//,/ }; do
     case " $STEPS quickstart install versions " in
@@ -174,18 +176,27 @@ for preset in O1 O2 bf16-mixed; do
     "$PY" -m bench.visit_quickstart --preset "$preset" --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} \
     --json "$OUT_DIR/quickstart-$preset.json"
 done
+# FSDP2 on one rank: the plan's units, shards and per-layer dtypes, with a rule the preset does not make itself.
+selected quickstart-fsdp && run_step quickstart-fsdp "$(bound 240)" "$OUT_DIR/quickstart-fsdp.json" \
+  "$PY" -m bench.visit_quickstart --preset O2 --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} \
+  --json "$OUT_DIR/quickstart-fsdp.json" scaling.strategy=fsdp 'precision.rules=[{match: "classifier.*", dtype: float32}]'
 
 # -- the harnesses ----------------------------------------------------------------------------------------------
 # The dry run's sizes: --smoke and one round of one step, which is all the plumbing needs.
+GPU_AMP=() POLICY=() TELEMETRY=() FAST_PATHS=() AIRBENCH=()
 if [ "$DRY_RUN" = 1 ]; then
   POLICY=(--smoke --repeats 1 --steps 1 --warmup 1)
   TELEMETRY=(--smoke --log-every 1 --steps 1 --repeats 1 --warmup 1)
   FAST_PATHS=(--smoke --steps 1 --warmup 1)
-else
-  POLICY=() TELEMETRY=() FAST_PATHS=()
+elif [ "$QUICK" = 1 ]; then
+  GPU_AMP=(--repeats 5 --warmup 10)
+  POLICY=(--repeats 5)
+  TELEMETRY=(--repeats 5 --warmup 20)
+  FAST_PATHS=(--steps 30 --warmup 10)
+  AIRBENCH=(--epochs 3 --repeats 1)
 fi
 selected gpu_amp && run_step gpu_amp "$(bound 480)" "$OUT_DIR/gpu_amp.json" \
-  "$PY" -m bench.gpu_amp ${SMOKE[@]+"${SMOKE[@]}"} --json "$OUT_DIR/gpu_amp.json"
+  "$PY" -m bench.gpu_amp ${SMOKE[@]+"${SMOKE[@]}"} ${GPU_AMP[@]+"${GPU_AMP[@]}"} --json "$OUT_DIR/gpu_amp.json"
 selected policy && run_step policy "$(bound 300)" "$OUT_DIR/policy.json" \
   "$PY" -m bench.policy --device "$DEVICE" ${POLICY[@]+"${POLICY[@]}"} --json "$OUT_DIR/policy.json"
 selected telemetry && run_step telemetry "$(bound 300)" "$OUT_DIR/telemetry.json" \
@@ -195,7 +206,7 @@ selected fast_paths && run_step fast_paths "$(bound 540)" "$OUT_DIR/fast_paths.j
   "$PY" -m bench.fast_paths --device "$DEVICE" ${FAST_PATHS[@]+"${FAST_PATHS[@]}"} \
   --json "$OUT_DIR/fast_paths.json"
 selected airbench && run_step airbench "$(bound 540)" "$OUT_DIR/airbench.json" \
-  "$PY" -m bench.airbench --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} --json "$OUT_DIR/airbench.json"
+  "$PY" -m bench.airbench --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} ${AIRBENCH[@]+"${AIRBENCH[@]}"} --json "$OUT_DIR/airbench.json"
 
 # -- the quickstart through submit (Ray Train + MLflow), when they were carried -----------------------------------
 if selected submit; then

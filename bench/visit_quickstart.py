@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from orchestrator.precision.fsdp import broken_fsdp_promises
+from orchestrator.precision.policy import broken_promises
 from orchestrator.train.report import Report
 
 HARNESS = "visit_quickstart"
@@ -40,11 +42,12 @@ def report_parts(report: Report) -> tuple[dict[str, float], dict[str, Any], dict
     return dict(report.metrics), tables, dict(report.tags)
 
 
-def audit_mismatches(audit: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Audit entries where what a layer stored or computed in differs from what the policy promised."""
-    return [entry for entry in audit
-            if entry.get("param_dtype") != entry.get("promised_param_dtype")
-            or entry.get("output_dtype") != entry.get("promised_output_dtype")]
+def audit_mismatches(audit: list[dict[str, Any]]) -> list[str]:
+    """What the run's own check says of the audit: one message per layer whose parameters, shards, computation or
+    output broke the policy's promise (a layer with no parameters promises no storage dtype)."""
+    if any("unit" in entry for entry in audit):
+        return broken_fsdp_promises(audit)
+    return broken_promises(audit)
 
 
 def summarise(reports: list[Any]) -> dict[str, Any]:

@@ -65,6 +65,13 @@ def test_dry_run_writes_every_record_of_the_visit(tmp_path):
         assert figures["loss_scale_final"]["amp/loss_scale"] == (1.0 if preset == "bf16-mixed" else 65536.0)
         assert 0.0 <= figures["final"]["eval/accuracy"] <= 1.0
 
+    # FSDP2 on one rank, O2 with a float32 rule: the rule's layers gather and store fp32, the rest fp16.
+    fsdp = load(out / "quickstart-fsdp.json")["figures"]
+    assert fsdp["audit_mismatches"] == [] and all("unit" in entry for entry in fsdp["audit"])
+    stored = {entry["name"]: entry["param_dtype"] for entry in fsdp["audit"] if entry["param_dtype"]}
+    assert stored and all(dtype == ("float32" if name.startswith("classifier.") else "float16")
+                          for name, dtype in stored.items())
+
     assert load(out / "gpu_amp.json")["skipped"] == "no CUDA device"
     for harness, ratio in HARNESS_RECORDS.items():
         record = load(out / f"{harness}.json")
@@ -74,7 +81,7 @@ def test_dry_run_writes_every_record_of_the_visit(tmp_path):
 
     summary = load(out / "summary.json")
     status = {step["name"]: step["status"] for step in summary["steps"]}
-    expected = {"install", "versions", "cuda_tests", *(f"quickstart-{p}" for p in PRESETS), "gpu_amp",
+    expected = {"install", "versions", "cuda_tests", *(f"quickstart-{p}" for p in PRESETS), "quickstart-fsdp", "gpu_amp",
                 *HARNESS_RECORDS}
     assert {name: status[name] for name in expected} == {name: "ok" for name in expected}
     assert status["submit"] == "skipped"  # Ray and MLflow are not importable: said, not crashed
