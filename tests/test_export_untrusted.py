@@ -40,9 +40,9 @@ def logged_run(tmp_path, mlflow_uri, monkeypatch):
     from orchestrator.tracking.tracker import RunTracker
     from orchestrator.train.models import build_model
 
-    (tmp_path / "tiny_nets.py").write_text(TINY_NET)
+    (tmp_path / "planted_nets.py").write_text(TINY_NET)
     monkeypatch.chdir(tmp_path)
-    cfg = load_job(REPO / "jobs" / "quickstart.yaml", ["precision.preset=O0", "model.name=tiny_nets:Net"])
+    cfg = load_job(REPO / "jobs" / "quickstart.yaml", ["precision.preset=O0", "model.name=planted_nets:Net"])
     tracker = RunTracker.start(mlflow_uri, cfg, run_name="planted", tags={}, params=flatten(cfg),
                                config_yaml=to_yaml(cfg))
     assert tracker.log_model(build_model(cfg.model).eval(), ModelInputs.from_shape((3, 32, 32))) == "pt2"

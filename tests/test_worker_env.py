@@ -49,9 +49,14 @@ def test_the_ray_free_loops_ranks_start_with_the_settings_too(tmp_path, write_jo
         monkeypatch.delenv(name, raising=False)
     seen = []
 
+    class Ended:  # the ranks' context, as `mp.spawn(join=False)` returns it: every rank has ended
+        def join(self, grace_period=None):
+            return True
+
     def start_ranks(fn, args, nprocs, join):  # what the rank processes would inherit; rank 0's result file
         seen.append({name: os.environ.get(name) for name in KEEP_FREED_MEMORY_ENV})
         torch.save({"reports": [], "weights": {}}, args[3])
+        return Ended()
 
     monkeypatch.setattr(mp, "spawn", start_ranks)
     job = OmegaConf.to_container(load_job(write_job(small_job())), resolve=True)
