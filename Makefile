@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 JOB    ?= jobs/quickstart.yaml
-# The slowest tests are listed after every run: the suite has a time budget (README, "Tests").
+# The slowest tests are listed after every run: the suite has a time budget (README, "Notes on CPUs").
 PYTEST_ARGS ?= --durations=40
 # Re-install only when the project's metadata changed.
 STAMP  := $(VENV)/.installed

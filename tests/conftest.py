@@ -1,6 +1,7 @@
 """Shared fixtures: one real local Ray for the whole session, real MLflow stores in tmp dirs."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -8,6 +9,27 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found():
+    """Every test leaves SIGINT as it found it: its handler, and unblocked. The processes a test starts inherit both,
+    so a SIGINT left ignored or blocked here never reaches them, and a later test of Ctrl-C fails for no reason of
+    its own. A test that changed it fails, naming the change; the state is put back for the next one."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    problems = []
+    if signal.getsignal(signal.SIGINT) is not handler:
+        problems.append(f"the SIGINT handler was {handler!r} and is now {signal.getsignal(signal.SIGINT)!r}")
+        signal.signal(signal.SIGINT, handler)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if blocked & {signal.SIGINT, signal.SIGTERM}:
+        problems.append(f"signals left blocked: {sorted(blocked)}")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if problems:
+        pytest.fail("the test changed the process's SIGINT: " + "; ".join(problems))
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +47,6 @@ def ray_session():
 def ray_tmpdir():
     """A Ray temp dir (`RAY_TMPDIR`) of the test's own, short (unix socket paths are limited to ~107 bytes), for
     the Ray a driver process the test runs starts; the Ray processes it left running under it are stopped after."""
-    import shutil
     import tempfile
 
     import psutil
@@ -72,9 +93,34 @@ def write_job(tmp_path):
     return write
 
 
+@pytest.fixture(scope="session")
+def _mlflow_template(tmp_path_factory) -> Path:
+    """An empty SQLite MLflow store with every table made: MLflow's migrations take seconds on a small machine, so
+    each test's store starts as a copy of this one."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def mlflow_uri(tmp_path) -> str:
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+def new_store(_mlflow_template):
+    """`new_store(directory)`: the URI of an empty MLflow store at `directory/mlflow.db` (a copy of the template)."""
+
+    def make(directory: Path) -> str:
+        path = Path(directory) / "mlflow.db"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_mlflow_template, path)
+        return f"sqlite:///{path}"
+
+    return make
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, new_store) -> str:
+    """An empty MLflow store of the test's own."""
+    return new_store(tmp_path)
 
 
 def small_job(**sections) -> dict:

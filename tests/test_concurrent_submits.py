@@ -70,12 +70,12 @@ def test_plan_run_gives_the_name_back_when_mlflow_refuses(write_job, tmp_path):
     assert not storage.exists()  # nothing left behind, not even the storage directory the claim made
 
 
-def test_an_experiment_another_submit_just_created_is_used_not_an_error(write_job, tmp_path, monkeypatch):
+def test_an_experiment_another_submit_just_created_is_used_not_an_error(new_store, write_job, tmp_path, monkeypatch):
     """Both submits looked the experiment up before either created it: the second create fails in MLflow
     (unique name); the run goes into the experiment the first one made."""
     from orchestrator.tracking.tracker import RunTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     made_by_the_other = MlflowClient(tracking_uri=uri).create_experiment("raced")
     looked_up = []
     real_lookup = MlflowClient.get_experiment_by_name

@@ -19,8 +19,8 @@ from orchestrator.train.report import Report
 from conftest import small_job
 
 
-def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(write_job, tmp_path, monkeypatch, capsys):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_ray_unreachable_closes_the_run_failed_and_says_what_to_do(new_store, write_job, tmp_path, monkeypatch, capsys):
+    uri = new_store(tmp_path)
     job = write_job(small_job(tracking={"uri": uri, "experiment": "unreachable"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     plan = driver.plan_run(load_job(job), job, "10.255.255.1:6379", RunChoice("unreachable"))
@@ -77,14 +77,14 @@ STAGES = ["write_record", "relay", "writer_start", "build_trainer", "fit", "writ
 
 
 @pytest.fixture
-def fake_ray(write_job, tmp_path, monkeypatch):
+def fake_ray(new_store, write_job, tmp_path, monkeypatch):
     """A job (`.job`, MLflow in `.uri`) whose Ray is faked: no cluster, a relay that reports nothing, and the trainer
     `use_trainer(trainer)` says (by default one whose fit() returns a run without checkpoints)."""
     import orchestrator.runner.launch as launch
     import orchestrator.tracking.relay as relay
     import orchestrator.tracking.writer as writer
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     job = write_job(small_job(tracking={"uri": uri, "experiment": "stages"},
                               checkpoint={"storage_path": str(tmp_path / "ray_results")}))
     monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (False, None))
@@ -164,12 +164,13 @@ def test_a_record_that_cannot_be_written_at_the_end_still_closes_the_run(planned
     assert planned.status() == "FAILED"
 
 
-def test_a_failure_logging_the_datasets_closes_the_new_run_and_frees_its_name(write_job, tmp_path, monkeypatch):
+def test_a_failure_logging_the_datasets_closes_the_new_run_and_frees_its_name(new_store, write_job, tmp_path,
+                                                                            monkeypatch):
     """The MLflow run exists before its dataset inputs are logged: a failure there ends it FAILED, and the run's
     directory in storage is released for the next submit."""
     from orchestrator.tracking.tracker import RunTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     storage = tmp_path / "ray_results"
     job = write_job(small_job(tracking={"uri": uri, "experiment": "lineage"},
                               checkpoint={"storage_path": str(storage)}))

@@ -16,14 +16,14 @@ from test_submit_e2e import only_run
 pytestmark = pytest.mark.slow
 
 
-def test_the_regression_example_trains_through_submit_with_its_own_loss_metrics_and_shapes(
+def test_the_regression_example_trains_through_submit_with_its_own_loss_metrics_and_shapes(new_store, 
         ray_session, tmp_path, monkeypatch):
     from orchestrator.cli.submit import main
 
     example = tmp_path / "regression"
     shutil.copytree(REPO / "examples" / "regression", example)
     monkeypatch.chdir(example)  # as a user runs it: from the example's directory
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     assert main(["job.yaml", "precision.preset=O0", "run.epochs=2", "data.kwargs.train_samples=512",
                  "data.kwargs.eval_samples=128", f"tracking.uri={uri}", "tracking.log_every_n_steps=2"]) == 0
 
@@ -69,7 +69,7 @@ def test_the_regression_example_trains_from_python_with_a_dict_job(ray_session, 
     assert ray_session.is_initialized()
 
 
-def test_the_text_classification_example_trains_through_submit_and_logs_a_model_taking_its_token_ids(
+def test_the_text_classification_example_trains_through_submit_and_logs_a_model_taking_its_token_ids(new_store, 
         ray_session, tmp_path, monkeypatch, capsys):
     """Variable-length int64 token ids through a collate function, named inputs, bf16-mixed with the embeddings
     kept fp32 by a rule, a torchmetrics F1 on 2 workers: the logged model takes the batch in its dtypes, through
@@ -84,7 +84,7 @@ def test_the_text_classification_example_trains_through_submit_and_logs_a_model_
     shutil.copytree(REPO / "examples" / "text-classification", example)
     monkeypatch.chdir(example)
     monkeypatch.delitem(sys.modules, "textcls", raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     assert main(["job.yaml", "run.epochs=2", "data.kwargs.train_samples=256", "data.kwargs.eval_samples=64",
                  f"tracking.uri={uri}", "tracking.system_metrics_interval_s=0"]) == 0
     client, run = only_run(uri, "text-classification")

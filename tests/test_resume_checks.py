@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from omegaconf import OmegaConf
 
 from conftest import run_mains, small_job
 from orchestrator.config import load_job

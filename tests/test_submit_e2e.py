@@ -27,8 +27,8 @@ def only_run(uri: str, experiment: str):
     return client, runs[0]
 
 
-def test_quickstart_two_workers_fp16_reaches_90_percent(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_quickstart_two_workers_fp16_reaches_90_percent(new_store, tmp_path):
+    uri = new_store(tmp_path)
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator.submit", "jobs/quickstart.yaml", "tracking.system_metrics_interval_s=1",
          f"tracking.uri={uri}", f"checkpoint.storage_path={tmp_path / 'ray_results'}"],

@@ -276,11 +276,11 @@ class Net(nn.Module):
 
 
 @pytest.mark.slow
-def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_failed_one(tmp_path):
+def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_failed_one(new_store, tmp_path):
     # An import-path model shipped from the sweep's directory; it fails to train under O1 (fp16 autocast) only.
     # The failing preset is in the middle: the one after it still runs, and the first stays the baseline.
     (tmp_path / "sweep_nets.py").write_text(FAILS_UNDER_FP16_AUTOCAST)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     job = tmp_path / "tiny.yaml"
     # One worker of two steps per child: what is checked is the sweep (shipping, order, the failed child), not DDP.
     job.write_text(yaml.safe_dump(small_job(model={"name": "sweep_nets:Net"}, scaling={"num_workers": 1},
@@ -335,8 +335,8 @@ def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_fail
 
 
 @pytest.mark.slow
-def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(new_store, tmp_path):
+    uri = new_store(tmp_path)
     job = tmp_path / "grid.yaml"
     # Four trainings: one worker of two steps each keeps it cheap; what is checked is the grid, not the training.
     job.write_text(yaml.safe_dump(small_job(run={"max_steps_per_epoch": 2}, scaling={"num_workers": 1},
@@ -372,10 +372,10 @@ def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(tmp
 
 
 @pytest.mark.slow
-def test_ctrl_c_closes_the_parent_and_the_running_child_killed(tmp_path):
+def test_ctrl_c_closes_the_parent_and_the_running_child_killed(new_store, tmp_path):
     import signal
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     job = tmp_path / "long.yaml"
     job.write_text(yaml.safe_dump(small_job(run={"epochs": 50, "max_steps_per_epoch": None},
                                             tracking={"uri": uri, "experiment": "sweep-ctrl-c"})))

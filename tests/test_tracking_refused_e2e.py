@@ -83,9 +83,9 @@ def test_a_store_made_read_only_mid_run_is_exit_1_the_run_not_finished_and_resum
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 9))
 
 
-def test_the_artifact_directory_deleted_mid_run_is_exit_1_the_run_failed_and_tagged_naming_the_checkpoint(
+def test_the_artifact_directory_deleted_mid_run_is_exit_1_the_run_failed_and_tagged_naming_the_checkpoint(new_store, 
         ray_session, tmp_path, monkeypatch, write_job, capsys):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     artifacts = tmp_path / "mlruns"  # the local artifact root of a SQLite store opened in tmp_path
     rc = submit(tmp_path, monkeypatch, write_job, uri, "noartifacts",
                 callbacks=[drill("RemovePath", path=str(artifacts), at_step=2)])
