@@ -7,6 +7,7 @@ sent again, so it reaches the code that closes the run. Each case runs in a proc
 are process-wide).
 """
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -44,8 +45,12 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(signal_name: str, where: str = "") -> subprocess.CompletedProcess:
+    # The child starts with SIGINT at its default, as a command started from a terminal does: a shell without job
+    # control starts background commands (`make test &`, CI scripts) with SIGINT ignored, every child inherits that,
+    # and Python then installs no Ctrl-C handler of its own.
     return subprocess.run([sys.executable, "-c", SCRIPT.format(signal=signal_name, where=where)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.parametrize("signal_name, raised", [("SIGTERM", "Interrupted 15"), ("SIGINT", "KeyboardInterrupt None")])
