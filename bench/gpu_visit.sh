@@ -23,8 +23,9 @@
 # split in parts, see docs/benchmarks.md. --deadline: the whole command ends within SECONDS, summary
 # included: each step's bound is cut to the time left, and a step with too little left is recorded
 # `no_time`, not started. VISIT_TIMEOUT_<STEP> (e.g. VISIT_TIMEOUT_FAST_PATHS=900) changes a step's bound
-# in seconds. --quick: fewer timed rounds and a shorter airbench, for a visit of two 10-minute commands. --dry-run runs the same steps on the CPU with tiny sizes, with Ray and MLflow made
-# unimportable as on the visit machine: the test suite runs it to prove the plumbing.
+# in seconds. --quick: fewer timed rounds and a shorter airbench, for a visit of two 10-minute commands.
+# --dry-run runs the same steps on the CPU with tiny sizes, with Ray and MLflow made unimportable as on the
+# visit machine: the test suite runs it to prove the plumbing.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,7 +36,7 @@ ONLY=""
 DRY_RUN=0
 QUICK=0
 DEADLINE=""
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }  # the comment above
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR="${2:?--out needs a folder}"; shift 2 ;;
@@ -54,7 +55,8 @@ done
 case "$DEADLINE" in
   ""|*[!0-9]*) [ -n "$DEADLINE" ] && { echo "error: --deadline takes whole seconds, e.g. 570" >&2; exit 2; } ;;
 esac
-STEPS="cuda_tests quickstart-O1 quickstart-O2 quickstart-bf16-mixed quickstart-fsdp gpu_amp policy telemetry fast_paths airbench submit"
+STEPS="cuda_tests quickstart-O1 quickstart-O2 quickstart-bf16-mixed quickstart-fsdp gpu_amp policy telemetry fast_paths"
+STEPS="$STEPS airbench submit"
 if [ -n "$ONLY" ]; then
   for name in ${ONLY//,/ }; do
     case " $STEPS quickstart install versions " in
@@ -179,7 +181,8 @@ done
 # FSDP2 on one rank: the plan's units, shards and per-layer dtypes, with a rule the preset does not make itself.
 selected quickstart-fsdp && run_step quickstart-fsdp "$(bound 240)" "$OUT_DIR/quickstart-fsdp.json" \
   "$PY" -m bench.visit_quickstart --preset O2 --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} \
-  --json "$OUT_DIR/quickstart-fsdp.json" scaling.strategy=fsdp 'precision.rules=[{match: "classifier.*", dtype: float32}]'
+  --json "$OUT_DIR/quickstart-fsdp.json" scaling.strategy=fsdp \
+  'precision.rules=[{match: "classifier.*", dtype: float32}]'
 
 # -- the harnesses ----------------------------------------------------------------------------------------------
 # The dry run's sizes: --smoke and one round of one step, which is all the plumbing needs.
@@ -206,7 +209,8 @@ selected fast_paths && run_step fast_paths "$(bound 540)" "$OUT_DIR/fast_paths.j
   "$PY" -m bench.fast_paths --device "$DEVICE" ${FAST_PATHS[@]+"${FAST_PATHS[@]}"} \
   --json "$OUT_DIR/fast_paths.json"
 selected airbench && run_step airbench "$(bound 540)" "$OUT_DIR/airbench.json" \
-  "$PY" -m bench.airbench --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} ${AIRBENCH[@]+"${AIRBENCH[@]}"} --json "$OUT_DIR/airbench.json"
+  "$PY" -m bench.airbench --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} ${AIRBENCH[@]+"${AIRBENCH[@]}"} \
+  --json "$OUT_DIR/airbench.json"
 
 # -- the quickstart through submit (Ray Train + MLflow), when they were carried -----------------------------------
 if selected submit; then

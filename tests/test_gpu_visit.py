@@ -81,8 +81,8 @@ def test_dry_run_writes_every_record_of_the_visit(tmp_path):
 
     summary = load(out / "summary.json")
     status = {step["name"]: step["status"] for step in summary["steps"]}
-    expected = {"install", "versions", "cuda_tests", *(f"quickstart-{p}" for p in PRESETS), "quickstart-fsdp", "gpu_amp",
-                *HARNESS_RECORDS}
+    expected = {"install", "versions", "cuda_tests", *(f"quickstart-{p}" for p in PRESETS), "quickstart-fsdp",
+                "gpu_amp", *HARNESS_RECORDS}
     assert {name: status[name] for name in expected} == {name: "ok" for name in expected}
     assert status["submit"] == "skipped"  # Ray and MLflow are not importable: said, not crashed
     assert summary["ok"] is True and summary["failed"] == []
