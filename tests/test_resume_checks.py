@@ -15,7 +15,7 @@ import yaml
 from conftest import run_mains, small_job
 from orchestrator.config import load_job
 from orchestrator.runner import records
-from orchestrator.runner.checkpoints import newest
+from orchestrator.runner.checkpoints import newest, remove_unfinished
 from orchestrator.runner.preflight import preflight
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
@@ -141,6 +141,29 @@ def test_a_checkpoint_records_the_layout_it_was_trained_under(write_job, tmp_pat
     assert stored.facts.model_shapes["features.0.weight"] == [16, 3, 3, 3]
     uri = newest(f"file://{storage}", RUN)  # the same small files, read through pyarrow's filesystem
     assert uri.facts == stored.facts
+
+
+def test_after_a_failed_copy_the_part_a_peer_left_is_removed_and_the_newest_complete_checkpoint_stays(
+        write_job, tmp_path):
+    """A full disk: rank 0's copy of step 4 failed and it removed what it wrote; its peer's copy, into the same
+    directory, succeeded and left rank 1's part. Once the workers are gone the driver removes it."""
+    storage = tmp_path / "storage"
+    job_path = write_job(run_job(storage))
+    interrupt(load_job(job_path), job_path)
+    run_dir = storage / RUN
+    (complete,) = [p for p in run_dir.glob("checkpoint_000000004_*")]
+    shutil.copytree(complete, run_dir / "checkpoint_000000006_0")
+    for path in (run_dir / "checkpoint_000000006_0").iterdir():
+        if path.name not in ("rank1.pt", "manifest_rank1.json"):
+            path.unlink()
+    (run_dir / "checkpoint_000000006_0" / "rank1.pt").write_bytes(b"rank 1's part")
+    (run_dir / "checkpoint_000000006_0" / "manifest_rank1.json").write_text("{}")
+
+    assert remove_unfinished(str(storage), RUN) == [str(run_dir / "checkpoint_000000006_0")]
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == sorted(
+        p.name for p in [*run_dir.glob("checkpoint_000000002_*"), complete])
+    assert newest(str(storage), RUN).path == str(complete)
+    assert remove_unfinished(f"file://{storage}", RUN) == []  # the complete ones are never touched
 
 
 def test_a_resume_under_another_preset_is_recorded_on_the_run(write_job, tmp_path, mlflow_uri, capsys):

@@ -109,3 +109,21 @@ def newest(storage_path: str, run_name: str) -> Optional[StoredCheckpoint]:
 def newest_finite(storage_path: str, run_name: str) -> Optional[StoredCheckpoint]:
     """The newest checkpoint known to be finite, or None."""
     return next((stored for stored in stored_checkpoints(storage_path, run_name) if stored.finite), None)
+
+
+def remove_unfinished(storage_path: str, run_name: str) -> list[str]:
+    """Remove the checkpoint directories newer than the run's newest complete one that are incomplete; returns
+    their paths. Only once the run's workers are gone: a rank whose copy to storage failed removes what it wrote,
+    but a peer whose copy succeeded (into the same directory, maybe after that removal) leaves its part behind."""
+    filesystem, base = _filesystem(storage_path)
+    run_dir = f"{base}/{run_name}"
+    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
+    names = sorted((info.base_name for info in infos if info.type == fs.FileType.Directory
+                    and info.base_name.startswith("checkpoint_")), reverse=True)
+    removed = []
+    for name in names:
+        if _stored(filesystem, f"{run_dir}/{name}", local="://" not in storage_path) is not None:
+            break
+        filesystem.delete_dir(f"{run_dir}/{name}")
+        removed.append(f"{run_dir}/{name}")
+    return removed

@@ -22,10 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import console
 from orchestrator.train import models
+from orchestrator.train.checkpoint import CheckpointWriteError
 from orchestrator.train.report import Report
 from orchestrator.config import flatten, to_yaml
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, Interrupted
-from orchestrator.runner.checkpoints import newest_finite
+from orchestrator.runner.checkpoints import newest_finite, remove_unfinished
 from orchestrator.runner.preflight import RunChoice, check_cluster_capacity
 from orchestrator.runner import outputs, records, stalls
 from orchestrator.runner.records import close_run
@@ -346,6 +347,8 @@ def _failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.Stall
     stall = stalls.stalled_cause(list(stalled), failure)  # a watchdog ended the last attempt: name the stalled rank
     cause = redact(stall or summarize_failure(failure))
     plan.result = RunResult(tracker.run_id if tracker is not None else None, "FAILED", {}, None, None, error=cause)
+    if _checkpoint_write_failed(failure):  # the workers are gone: no copy to storage is in flight any more
+        remove_unfinished(plan.cfg.checkpoint.storage_path, plan.run_name)
     stalls.log_and_print(list(stalled), tracker, failed_by_last=stall is not None)
     if tracker is not None:
         tracker.log_plots(plan.cfg.precision.preset)
@@ -355,6 +358,12 @@ def _failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.Stall
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
           f"{resume_hint(plan)}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _checkpoint_write_failed(failure) -> bool:
+    """Whether a worker failed writing a checkpoint to storage (`CheckpointWriteError`: a full disk, a lost mount)."""
+    causes = (getattr(failure, "worker_failures", None) or {}).values()
+    return any(isinstance(cause, CheckpointWriteError) for cause in causes)
 
 
 def resume_hint(plan: RunPlan) -> str:
