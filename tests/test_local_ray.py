@@ -2,9 +2,10 @@
 
 Without `--address` and `$RAY_ADDRESS`, submit, sweep and `run()` start a Ray of their own: a
 `ray_current_cluster` file that a `ray start` left in Ray's temp dir, naming a cluster long gone, is never
-joined. A cluster named explicitly is waited for at most `ray_start.CLUSTER_WAIT_S`; `run()` then returns a
-FAILED result, and Ctrl-C or SIGTERM end the wait at once (the run KILLED). Each case runs in a process of its
-own, with Ray's temp dir (`RAY_TMPDIR`) its own, so the Ray it starts shares nothing with any other.
+joined (submit, end to end; sweep and `run()` give `ray.init` the same "local"). A cluster named explicitly is
+waited for at most `ray_start.CLUSTER_WAIT_S`; `run()` then returns a FAILED result, and Ctrl-C or SIGTERM end the
+wait at once (the run KILLED). Each process case has Ray's temp dir (`RAY_TMPDIR`) of its own, so the Ray it
+starts shares nothing with any other.
 """
 
 import signal
@@ -45,35 +46,49 @@ def statuses(workdir: Path) -> list[str]:
         [e.experiment_id for e in client.search_experiments()]))
 
 
-RUN_FROM_PYTHON = textwrap.dedent("""
-    import sys
-    from orchestrator import run
-    result = run(sys.argv[1])
-    print("RESULT", result.status if result is not None else None)
-""")
-
-COMMANDS = {
-    "submit": lambda job: [sys.executable, "-m", "orchestrator.submit", str(job)],
-    "sweep": lambda job: [sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "O0"],
-    "run": lambda job: [sys.executable, "-c", RUN_FROM_PYTHON, str(job)],
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("command", COMMANDS)
-def test_without_an_address_a_stale_current_cluster_file_is_never_joined(command, stale_ray_tmpdir, tmp_path):
+def test_without_an_address_a_stale_current_cluster_file_is_never_joined(stale_ray_tmpdir, tmp_path):
     job = tiny_job(tmp_path, "local")
     try:
-        done = subprocess.run(COMMANDS[command](job), cwd=tmp_path, env=own_ray_env(stale_ray_tmpdir), capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "orchestrator.submit", str(job)], cwd=tmp_path,
+                              env=own_ray_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{command} did not finish in 300 s (joining {STALE_CLUSTER}?): {exc.stderr}")
+        pytest.fail(f"submit did not finish in 300 s (joining {STALE_CLUSTER}?): {exc.stderr}")
     assert done.returncode == 0, done.stderr
     assert STALE_CLUSTER not in done.stdout + done.stderr
     assert len(ray_sessions(stale_ray_tmpdir)) == 1, "it started a Ray of its own, in Ray's temp dir"
     assert set(statuses(tmp_path)) == {"FINISHED"}
-    if command == "run":
-        assert "RESULT FINISHED" in done.stdout
+
+
+class RayInitCalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command", ["sweep", "run"])
+def test_sweep_and_run_start_ray_as_submit_does(command, tmp_path, monkeypatch):
+    """Without an address, sweep and `run()` give `ray.init` "local" as submit does (whose start beside a stale
+    `ray_current_cluster` the test above runs), never None or "auto"."""
+    import ray
+
+    from orchestrator import run
+    from orchestrator.cli.sweep import main as sweep
+
+    calls = []
+
+    def init(*args, **kwargs):
+        calls.append(kwargs.get("address", args[0] if args else None))
+        raise RayInitCalled()
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    job = tiny_job(tmp_path, "local")
+    monkeypatch.chdir(tmp_path)
+    if command == "sweep":
+        assert sweep([str(job), "--presets", "O0"]) == 1
+    else:
+        assert run(str(job)).status == "FAILED"
+    assert calls == ["local"]
 
 
 UNANSWERED_FROM_PYTHON = textwrap.dedent("""
