@@ -276,9 +276,13 @@ class Net(nn.Module):
 
 
 @pytest.mark.slow
-def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_failed_one(new_store, tmp_path):
-    # An import-path model shipped from the sweep's directory; it fails to train under O1 (fp16 autocast) only.
-    # The failing preset is in the middle: the one after it still runs, and the first stays the baseline.
+def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_failed_one(ray_session, new_store,
+                                                                                       tmp_path, monkeypatch, capsys):
+    # An import-path model from the sweep's directory; it fails to train under O1 (fp16 autocast) only. The
+    # failing preset is in the middle: the one after it still runs, and the first stays the baseline. In this
+    # process's Ray (how a sweep that starts its own ships the model is submit's, test_submit_e2e).
+    from orchestrator.cli.sweep import main
+
     (tmp_path / "sweep_nets.py").write_text(FAILS_UNDER_FP16_AUTOCAST)
     uri = new_store(tmp_path)
     job = tmp_path / "tiny.yaml"
@@ -286,13 +290,12 @@ def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_fail
     job.write_text(yaml.safe_dump(small_job(model={"name": "sweep_nets:Net"}, scaling={"num_workers": 1},
                                             run={"max_steps_per_epoch": 2}, tracking={"experiment": "sweep-e2e"})))
     started = time.time()
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.sweep", str(job), "--presets", "O0,O1,bf16-mixed",
-         f"tracking.uri={uri}", f"checkpoint.storage_path={tmp_path / 'ray_results'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 1, out.stdout + out.stderr  # one child failed
-    assert "refuses fp16 autocast" in out.stderr
+    monkeypatch.chdir(tmp_path)
+    code = main([str(job), "--presets", "O0,O1,bf16-mixed", f"tracking.uri={uri}",
+                 f"checkpoint.storage_path={tmp_path / 'ray_results'}"])
+    out = capsys.readouterr()
+    assert code == 1, out.out + out.err  # one child failed
+    assert "refuses fp16 autocast" in out.err
     client, parent, children = _sweep_runs(uri, "sweep-e2e")
 
     assert parent.info.status == "FAILED"
@@ -329,32 +332,35 @@ def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_fail
     assert rows[2]["speedup"] == pytest.approx(rows[2]["samples_per_s"] / rows[0]["samples_per_s"])
     assert rows[2]["accuracy_delta"] == pytest.approx(rows[2]["final_accuracy"] - rows[0]["final_accuracy"])
 
-    assert "| bf16-mixed | FINISHED |" in out.stdout and "Fastest: " in out.stdout
-    assert "not finished: O1" in out.stdout
-    assert parent.info.run_id in out.stdout
+    assert "| bf16-mixed | FINISHED |" in out.out and "Fastest: " in out.out
+    assert "not finished: O1" in out.out
+    assert parent.info.run_id in out.out
 
 
 @pytest.mark.slow
-def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(new_store, tmp_path):
+def test_a_grid_leaves_a_parent_a_child_per_point_and_a_table_with_every_key(ray_session, new_store, tmp_path,
+                                                                              monkeypatch, capsys):
+    # Two points of two keys (the cartesian product itself is checked above, without Ray), in this process's Ray:
+    # one worker of two steps each keeps it cheap; what is checked is the grid, not the training.
+    from orchestrator.cli.sweep import main
+
     uri = new_store(tmp_path)
     job = tmp_path / "grid.yaml"
-    # Four trainings: one worker of two steps each keeps it cheap; what is checked is the grid, not the training.
     job.write_text(yaml.safe_dump(small_job(run={"max_steps_per_epoch": 2}, scaling={"num_workers": 1},
                                             tracking={"experiment": "grid-e2e"})))
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.sweep", str(job), "--grid", "optim.lr=0.1,0.02",
-         "--grid", "precision.preset=O0,bf16-mixed", f"tracking.uri={uri}",
-         f"checkpoint.storage_path={tmp_path / 'ray_results'}", "tracking.system_metrics_interval_s=0"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    monkeypatch.chdir(tmp_path)
+    code = main([str(job), "--grid", "optim.lr=0.1,0.02", "--grid", "precision.preset=bf16-mixed",
+                 f"tracking.uri={uri}", f"checkpoint.storage_path={tmp_path / 'ray_results'}",
+                 "tracking.system_metrics_interval_s=0"])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
     client, parent, children = _sweep_runs(uri, "grid-e2e")
-    assert parent.info.status == "FINISHED" and len(children) == 4
-    assert parent.data.tags["sweep.grid"] == "optim.lr=0.1,0.02;precision.preset=O0,bf16-mixed"
+    assert parent.info.status == "FINISHED" and len(children) == 2
+    assert parent.data.tags["sweep.grid"] == "optim.lr=0.1,0.02;precision.preset=bf16-mixed"
     assert "optim.lr" not in parent.data.params and "precision.compute_dtype" not in parent.data.params
     points = {(child.data.tags["sweep.optim.lr"], child.data.tags["sweep.precision.preset"]): child
               for child in children}
-    assert sorted(points) == [("0.02", "O0"), ("0.02", "bf16-mixed"), ("0.1", "O0"), ("0.1", "bf16-mixed")]
+    assert sorted(points) == [("0.02", "bf16-mixed"), ("0.1", "bf16-mixed")]
     for (lr, preset), child in points.items():
         assert child.info.status == "FINISHED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.params["optim.lr"] == lr and child.data.tags["preset"] == preset
@@ -362,13 +368,12 @@ def test_a_2x2_grid_leaves_a_parent_four_children_and_a_table_with_both_keys(new
 
     rows = json.loads(open(client.download_artifacts(parent.info.run_id, "sweep/comparison.json")).read())
     assert [(row["point"], row["optim.lr"], row["preset"]) for row in rows] == [
-        ("lr0.1-O0", "0.1", "O0"), ("lr0.1-bf16-mixed", "0.1", "bf16-mixed"), ("lr0.02-O0", "0.02", "O0"),
-        ("lr0.02-bf16-mixed", "0.02", "bf16-mixed")]
+        ("lr0.1-bf16-mixed", "0.1", "bf16-mixed"), ("lr0.02-bf16-mixed", "0.02", "bf16-mixed")]
     for row in rows:
         assert row["run_id"] == points[(row["optim.lr"], row["preset"])].info.run_id
         assert parent.data.metrics[f"sweep/{row['point']}/final_accuracy"] == pytest.approx(row["final_accuracy"])
-    assert "| point | optim.lr | preset | status |" in out.stdout
-    assert "| lr0.02-bf16-mixed | 0.02 | bf16-mixed | FINISHED |" in out.stdout
+    assert "| point | optim.lr | preset | status |" in out.out
+    assert "| lr0.02-bf16-mixed | 0.02 | bf16-mixed | FINISHED |" in out.out
 
 
 @pytest.mark.slow
