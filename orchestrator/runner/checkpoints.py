@@ -88,17 +88,20 @@ def _older(directory: str) -> Optional[StoredCheckpoint]:
     return StoredCheckpoint(directory, facts)
 
 
-def stored_checkpoints(storage_path: str, run_name: str) -> Iterator[StoredCheckpoint]:
-    """The run's complete checkpoints, newest first."""
+def _checkpoint_dirs(storage_path: str, run_name: str) -> Iterator[tuple[str, Optional[StoredCheckpoint]]]:
+    """Each `checkpoint_*` directory of the run, newest first, with its checkpoint when complete (else None)."""
     filesystem, base = _filesystem(storage_path)
     run_dir = f"{base}/{run_name}"
     infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
     names = sorted((info.base_name for info in infos if info.type == fs.FileType.Directory
                     and info.base_name.startswith("checkpoint_")), reverse=True)
     for name in names:
-        stored = _stored(filesystem, f"{run_dir}/{name}", local="://" not in storage_path)
-        if stored is not None:
-            yield stored
+        yield f"{run_dir}/{name}", _stored(filesystem, f"{run_dir}/{name}", local="://" not in storage_path)
+
+
+def stored_checkpoints(storage_path: str, run_name: str) -> Iterator[StoredCheckpoint]:
+    """The run's complete checkpoints, newest first."""
+    return (stored for _, stored in _checkpoint_dirs(storage_path, run_name) if stored is not None)
 
 
 def newest(storage_path: str, run_name: str) -> Optional[StoredCheckpoint]:
@@ -115,15 +118,11 @@ def remove_unfinished(storage_path: str, run_name: str) -> list[str]:
     """Remove the checkpoint directories newer than the run's newest complete one that are incomplete; returns
     their paths. Only once the run's workers are gone: a rank whose copy to storage failed removes what it wrote,
     but a peer whose copy succeeded (into the same directory, maybe after that removal) leaves its part behind."""
-    filesystem, base = _filesystem(storage_path)
-    run_dir = f"{base}/{run_name}"
-    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
-    names = sorted((info.base_name for info in infos if info.type == fs.FileType.Directory
-                    and info.base_name.startswith("checkpoint_")), reverse=True)
+    filesystem, _ = _filesystem(storage_path)
     removed = []
-    for name in names:
-        if _stored(filesystem, f"{run_dir}/{name}", local="://" not in storage_path) is not None:
+    for directory, stored in _checkpoint_dirs(storage_path, run_name):
+        if stored is not None:
             break
-        filesystem.delete_dir(f"{run_dir}/{name}")
-        removed.append(f"{run_dir}/{name}")
+        filesystem.delete_dir(directory)
+        removed.append(directory)
     return removed
