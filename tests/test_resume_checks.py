@@ -151,19 +151,33 @@ def test_after_a_failed_copy_the_part_a_peer_left_is_removed_and_the_newest_comp
     job_path = write_job(run_job(storage))
     interrupt(load_job(job_path), job_path)
     run_dir = storage / RUN
-    (complete,) = [p for p in run_dir.glob("checkpoint_000000004_*")]
-    shutil.copytree(complete, run_dir / "checkpoint_000000006_0")
-    for path in (run_dir / "checkpoint_000000006_0").iterdir():
-        if path.name not in ("rank1.pt", "manifest_rank1.json"):
-            path.unlink()
-    (run_dir / "checkpoint_000000006_0" / "rank1.pt").write_bytes(b"rank 1's part")
-    (run_dir / "checkpoint_000000006_0" / "manifest_rank1.json").write_text("{}")
+    (complete,) = run_dir.glob("checkpoint_000000004_*")
+    leftover = run_dir / "checkpoint_000000006_0"
+    leftover.mkdir()
+    (leftover / "rank1.pt").write_bytes(b"rank 1's part")
+    (leftover / "manifest_rank1.json").write_text("{}")
 
-    assert remove_unfinished(str(storage), RUN) == [str(run_dir / "checkpoint_000000006_0")]
+    assert remove_unfinished(str(storage), RUN) == [str(leftover)]
     assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == sorted(
         p.name for p in [*run_dir.glob("checkpoint_000000002_*"), complete])
     assert newest(str(storage), RUN).path == str(complete)
     assert remove_unfinished(f"file://{storage}", RUN) == []  # the complete ones are never touched
+
+
+def test_the_driver_removes_them_after_a_failed_checkpoint_write_only():
+    """As Ray Train hands the driver a worker's exception: wrapped in a RayTaskError that is also the cause's type."""
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+
+    from orchestrator.runner.driver import _checkpoint_write_failed
+    from orchestrator.train.checkpoint import CheckpointWriteError
+
+    def failed(cause: Exception) -> WorkerGroupError:
+        return WorkerGroupError("training failed", {1: RayTaskError("train_loop", "", cause).as_instanceof_cause()})
+
+    assert _checkpoint_write_failed(failed(CheckpointWriteError("could not write checkpoint ... disk is full")))
+    assert not _checkpoint_write_failed(failed(RuntimeError("a bug in the model")))
+    assert not _checkpoint_write_failed(RuntimeError("the controller failed"))
 
 
 def test_a_resume_under_another_preset_is_recorded_on_the_run(write_job, tmp_path, mlflow_uri, capsys):
