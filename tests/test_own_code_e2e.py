@@ -16,35 +16,12 @@ from test_submit_e2e import only_run
 pytestmark = pytest.mark.slow
 
 
-def test_the_regression_example_trains_through_submit_with_its_own_loss_metrics_and_shapes(new_store, 
+def test_the_regression_example_trains_from_python_with_a_dict_job_and_its_own_loss_metrics_and_shapes(
         ray_session, tmp_path, monkeypatch):
-    from orchestrator.cli.submit import main
-
-    example = tmp_path / "regression"
-    shutil.copytree(REPO / "examples" / "regression", example)
-    monkeypatch.chdir(example)  # as a user runs it: from the example's directory
-    uri = new_store(tmp_path)
-    assert main(["job.yaml", "precision.preset=O0", "run.epochs=2", "data.kwargs.train_samples=512",
-                 "data.kwargs.eval_samples=128", f"tracking.uri={uri}", "tracking.log_every_n_steps=2"]) == 0
-
-    client, run = only_run(uri, "regression")
-    metrics = run.data.metrics
-    for key in ("eval/loss", "eval/mae", "eval/mse", "train/loss", "optim/lr", "train/grad_norm"):
-        assert key in metrics, sorted(metrics)
-    assert "eval/accuracy" not in metrics  # nothing assumes classification
-    assert 0 < metrics["eval/mae"] < 2 and metrics["eval/mse"] > 0
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/mae")] == [4, 8]  # 2 ranks x 4 steps
-
-    import mlflow
-
-    logged = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
-    (spec,) = logged.signature.inputs.inputs
-    assert tuple(spec.shape) == (-1, 8), spec  # the data's shape, no image anywhere
-
-
-def test_the_regression_example_trains_from_python_with_a_dict_job(ray_session, tmp_path, monkeypatch):
     """`from orchestrator import run` with the example's job as a dict: a RunResult naming the MLflow run, its
-    final metrics, its checkpoints and a model that loads; Ray (initialised by the caller) is left running."""
+    final metrics, its checkpoints and a model that loads; Ray (initialised by the caller) is left running. The
+    example's own loss and metrics reach MLflow, nothing assumes classification, and the logged model's signature
+    has the data's shape. (The text example below trains from its directory through submit.)"""
     import mlflow
     import torch
     import yaml
@@ -53,12 +30,12 @@ def test_the_regression_example_trains_from_python_with_a_dict_job(ray_session, 
 
     example = tmp_path / "regression"
     shutil.copytree(REPO / "examples" / "regression", example)
-    monkeypatch.chdir(example)
+    monkeypatch.chdir(example)  # as a user runs it: from the example's directory
     monkeypatch.delitem(sys.modules, "regression", raising=False)  # this copy's module, not another test's
     job = yaml.safe_load((example / "job.yaml").read_text())
     job["tracking"]["uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = run(job, ["precision.preset=O0", "run.epochs=1", "data.kwargs.train_samples=256",
-                       "data.kwargs.eval_samples=64"])
+    result = run(job, ["precision.preset=O0", "run.epochs=2", "data.kwargs.train_samples=512",
+                       "data.kwargs.eval_samples=128", "tracking.log_every_n_steps=2"])
     assert result.status == "FINISHED" and result.error is None
     client, logged_run = only_run(job["tracking"]["uri"], "regression")
     assert result.run_id == logged_run.info.run_id
@@ -67,6 +44,16 @@ def test_the_regression_example_trains_from_python_with_a_dict_job(ray_session, 
     model = mlflow.pytorch.load_model(result.model_uri, map_location="cpu")
     assert model(torch.zeros(3, 8)).shape == (3,)
     assert ray_session.is_initialized()
+
+    metrics = logged_run.data.metrics
+    for key in ("eval/loss", "eval/mae", "eval/mse", "train/loss", "optim/lr", "train/grad_norm"):
+        assert key in metrics, sorted(metrics)
+    assert "eval/accuracy" not in metrics  # nothing assumes classification
+    assert 0 < metrics["eval/mae"] < 2 and metrics["eval/mse"] > 0
+    history = client.get_metric_history(logged_run.info.run_id, "eval/mae")
+    assert [m.step for m in history] == [4, 8]  # 2 ranks x 4 steps
+    (spec,) = mlflow.models.get_model_info(result.model_uri).signature.inputs.inputs
+    assert tuple(spec.shape) == (-1, 8), spec  # the data's shape, no image anywhere
 
 
 def test_the_text_classification_example_trains_through_submit_and_logs_a_model_taking_its_token_ids(new_store, 
