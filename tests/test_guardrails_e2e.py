@@ -1,4 +1,5 @@
-"""Loss-scale telemetry, memory by dtype and the collapse guardrails, through submit (2 Ray workers, real MLflow)."""
+"""Loss-scale telemetry, memory by dtype, non-finite losses and the collapse guardrails, through submit (2 Ray workers,
+real MLflow)."""
 
 import json
 from collections import Counter
@@ -37,23 +38,27 @@ def checkpoint_states(tmp_path) -> list[dict]:
     return [torch.load(f, weights_only=True) for f in files]
 
 
-def test_injected_overflow_is_skipped_logged_and_plotted_with_memory_by_dtype(
+def test_an_overflow_and_a_nan_loss_are_skipped_one_backing_the_scale_off_logged_and_plotted_with_memory_by_dtype(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri):
+    # Step 2's loss is NaN (skipped, `on_nan_loss: skip`), step 3's features.3 gradient overflows (skipped).
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "telemetry",
-                precision={"preset": "O1", "init_scale": 1024},
-                callbacks=[drill("Overflow", at_steps=[3], layer="features.3")])
+                precision={"preset": "O1", "init_scale": 1024, "scaler": {"on_nan_loss": "skip"}},
+                callbacks=[drill("NanLoss", at_step=2), drill("Overflow", at_steps=[3], layer="features.3")])
     assert rc == 0
     client, run = only_run(mlflow_uri, "telemetry")
     run_id, metrics = run.info.run_id, run.data.metrics
 
     scale = dict(history(client, run_id, "amp/loss_scale"))
-    assert scale[2] == 1024.0 and scale[3] == 512.0  # the injected step backed the scale off
-    assert history(client, run_id, "amp/skipped_steps")[-1] == (4, 1.0)
-    assert metrics["amp/skip_rate"] == 0.25 and metrics["amp/consecutive_skips"] == 0.0
+    assert scale[2] == 1024.0  # no backoff for a bad loss
+    assert scale[3] == 512.0  # the overflowing step backed the scale off
+    assert metrics["amp/nan_loss_steps"] == 1.0
+    assert history(client, run_id, "amp/skipped_steps")[-1] == (4, 2.0)
+    assert metrics["amp/skip_rate"] == 0.5 and metrics["amp/consecutive_skips"] == 0.0
     assert {"amp/growth_events", "amp/rank_disagreements"} <= set(metrics)
-    for key in ("amp/loss_scale", "train/loss"):  # every step once: no step logged twice
+    # Every step once, no step logged twice; step 2's loss was NaN: no train/loss to log there.
+    for key, logged in (("amp/loss_scale", [1, 2, 3, 4]), ("train/loss", [1, 3, 4])):
         steps = Counter(step for step, _ in history(client, run_id, key))
-        assert set(steps.values()) == {1} and sorted(steps) == [1, 2, 3, 4]
+        assert set(steps.values()) == {1} and sorted(steps) == logged, key
 
     log = artifact_json(client, run_id, "amp/overflow_log.json")
     assert [(r["step"], r["rank"], r["layer"], r["kind"]) for r in log] == [(3, 0, "features.3", "inf"),
@@ -132,16 +137,7 @@ def test_collapse_rollback_restores_the_last_checkpoint(ray_session, tmp_path, m
         assert torch.equal(value, last["model"][key]), key
 
 
-def test_nan_loss_skip_leaves_the_scale_and_abort_fails(ray_session, tmp_path, monkeypatch, write_job, mlflow_uri,
-                                                        capsys):
-    rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-skip",
-                precision={"preset": "O1", "init_scale": 1024, "scaler": {"on_nan_loss": "skip"}},
-                callbacks=[drill("NanLoss", at_step=2)])
-    assert rc == 0
-    client, run = only_run(mlflow_uri, "nan-skip")
-    assert run.data.metrics["amp/nan_loss_steps"] == 1.0 and run.data.metrics["amp/skipped_steps"] == 1.0
-    assert dict(history(client, run.info.run_id, "amp/loss_scale"))[2] == 1024.0  # no backoff for a bad loss
-
+def test_a_nan_loss_under_bf16_fails_at_its_step(ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
     # bf16: no scaler, but every step's flags are agreed all the same: the run fails at the step itself.
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-abort", precision={"preset": "bf16-mixed"},
                 callbacks=[drill("NanLoss", at_step=2)])
