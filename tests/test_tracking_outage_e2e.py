@@ -60,10 +60,16 @@ def assert_every_step_once(client, run_id, key="amp/loss_scale"):
     assert sorted(steps) == list(range(1, STEPS + 1)) and set(steps.values()) == {1}, steps
 
 
-def test_server_stopped_mid_run_and_restarted_training_goes_on_and_metrics_are_complete(
+def test_server_stopped_mid_run_and_restarted_training_goes_on_metrics_are_complete_and_no_secret_reaches_the_run(
         ray_session, tmp_path, monkeypatch, write_job, server, capsys):
-    thread, result = submit_in_background(tmp_path, monkeypatch, write_job, f"tracking.uri={server.url}",
-                                          "tracking.experiment=outage", "tracking.log_every_n_steps=1")
+    # A token and a password from the environment, as a user passes credentials: in the job through `oc.env`.
+    token, password = f"tok-{secrets.token_hex(12)}", f"pw-{secrets.token_hex(12)}"
+    monkeypatch.setenv("AMPFLOW_TEST_API_TOKEN", token)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    uri = server.url.replace("://", "://ampflow:${oc.env:MLFLOW_TRACKING_PASSWORD}@")
+    thread, result = submit_in_background(tmp_path, monkeypatch, write_job, f"tracking.uri={uri}",
+                                          "tracking.experiment=outage", "tracking.log_every_n_steps=1",
+                                          "data.root=cache/${oc.env:AMPFLOW_TEST_API_TOKEN}")
     try:
         wait_for_checkpoint(tmp_path, 4)
         server.stop()
@@ -74,12 +80,29 @@ def test_server_stopped_mid_run_and_restarted_training_goes_on_and_metrics_are_c
             server.start()
         thread.join(timeout=600)
     assert result["rc"] == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "MLflow is not answering" in err and "MLflow is back" in err
     client, run = the_run(server.url, "outage")
     assert run.info.status == "FINISHED"
     assert_every_step_once(client, run.info.run_id)
     assert_every_step_once(client, run.info.run_id, "train/loss")
+
+    # The secrets: redacted in the run's params, never in its tags, metrics, artifacts or on the console.
+    assert run.data.params["tracking.uri"] == server.url.replace("://", "://ampflow:***@")
+    assert run.data.params["data.root"].endswith("cache/***")
+    texts = [*run.data.params.items(), *run.data.tags.items(), *run.data.metrics]
+
+    def artifacts(path=None):
+        for item in client.list_artifacts(run.info.run_id, path):
+            yield from artifacts(item.path) if item.is_dir else [item.path]
+
+    paths = list(artifacts())
+    assert {"config/job.yaml", "precision/audit.json", "memory/breakdown.json"} <= set(paths)
+    contents = [Path(client.download_artifacts(run.info.run_id, path)).read_bytes() for path in paths]
+    everything = repr(texts).encode() + b"".join(contents) + (captured.out + err).encode()
+    assert token.encode() not in everything and password.encode() not in everything
+    assert b"cache/***" in everything  # the resolved config artifact, redacted
 
 
 def test_mlflow_down_at_start_is_a_clear_error_unless_not_required(ray_session, tmp_path, monkeypatch, write_job,
@@ -111,32 +134,3 @@ def test_mlflow_down_at_start_is_a_clear_error_unless_not_required(ray_session, 
         assert_every_step_once(client, run.info.run_id)
     finally:
         down.stop()
-
-
-def test_secrets_from_the_environment_never_reach_the_run(ray_session, tmp_path, monkeypatch, write_job, server):
-    from orchestrator.cli.submit import main
-
-    token, password = f"tok-{secrets.token_hex(12)}", f"pw-{secrets.token_hex(12)}"
-    monkeypatch.setenv("AMPFLOW_TEST_API_TOKEN", token)
-    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
-    monkeypatch.chdir(tmp_path)
-    job = small_job(data={"root": "cache/${oc.env:AMPFLOW_TEST_API_TOKEN}"},
-                    tracking={"experiment": "secrets",
-                              "uri": server.url.replace("://", "://ampflow:${oc.env:MLFLOW_TRACKING_PASSWORD}@")})
-    assert main([str(write_job(job))]) == 0
-
-    client, run = the_run(server.url, "secrets")
-    assert run.data.params["tracking.uri"] == server.url.replace("://", "://ampflow:***@")
-    assert run.data.params["data.root"].endswith("cache/***")
-    texts = [*run.data.params.items(), *run.data.tags.items(), *run.data.metrics]
-
-    def artifacts(path=None):
-        for item in client.list_artifacts(run.info.run_id, path):
-            yield from artifacts(item.path) if item.is_dir else [item.path]
-
-    paths = list(artifacts())
-    assert {"config/job.yaml", "precision/audit.json", "memory/breakdown.json"} <= set(paths)
-    contents = [Path(client.download_artifacts(run.info.run_id, path)).read_bytes() for path in paths]
-    everything = repr(texts).encode() + b"".join(contents)
-    assert token.encode() not in everything and password.encode() not in everything
-    assert b"cache/***" in everything  # the resolved config artifact, redacted
