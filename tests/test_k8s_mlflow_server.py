@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from conftest import REPO
+from k8s_quantities import quantity
 from k8s_render import render
 from postgres_server import PostgresServer
 from ray_head import free_ports
@@ -126,7 +127,7 @@ def server(postgres, tmp_path_factory):
                 time.sleep(0.5)
         else:
             pytest.fail(f"mlflow server did not answer /health in 120 s:\n{log.read_text()[-3000:]}")
-        yield url, directory / "volume"
+        yield url, directory / "volume", process
     finally:
         if process.poll() is None:
             server_tree = psutil.Process(process.pid)  # the server and its uvicorn workers: ours only
@@ -144,7 +145,7 @@ def test_a_run_logged_through_the_server_lands_in_postgresql_and_on_the_volume(s
     import psycopg2
     from mlflow.tracking import MlflowClient
 
-    url, volume = server
+    url, volume, _ = server
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # mlflow-artifacts:/ URIs resolve against it
     client = MlflowClient(tracking_uri=url)
     experiment_id = client.create_experiment("k8s-postgres")
@@ -172,8 +173,20 @@ def test_a_run_logged_through_the_server_lands_in_postgresql_and_on_the_volume(s
         connection.close()
 
 
+def test_the_mlflow_server_runs_without_mlflows_job_workers_and_within_the_containers_memory_request(server):
+    """With a database store, `mlflow server` starts a job runner and huey consumers unless told not to: they more
+    than double its memory (to about the container's 2Gi limit with the manifest's 2 workers)."""
+    _, _, process = server
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    commands = [" ".join(p.cmdline()) for p in tree]
+    assert not [c for c in commands if "huey" in c or "_job_runner" in c], commands
+    requested = quantity(mlflow_container()["resources"]["requests"]["memory"])
+    used = sum(p.memory_full_info().pss for p in tree)
+    assert used < requested, f"{used / 2**20:.0f} MiB for {len(tree)} processes: {commands}"
+
+
 def test_the_mlflow_server_answers_the_service_name_and_localhost_only(server):
-    url, _ = server
+    url, _, _ = server
     search = f"{url}/api/2.0/mlflow/experiments/search?max_results=1"
     for host in ("mlflow:5000", "mlflow.ampflow.svc.cluster.local:5000", "127.0.0.1:5000", "localhost:5000"):
         reply = requests.get(search, headers={"Host": host}, timeout=10)
@@ -198,7 +211,7 @@ def waits_until_ready(command, env, cwd) -> str:
 
 
 def test_the_rayjob_submitter_waits_for_mlflow_health(server, tmp_path):
-    url, _ = server
+    url, _, _ = server
     container = init_container("RayJob", "ampflow-cifar", "wait-for-mlflow")
     assert container["command"][0] == "python"
     command = [sys.executable, *container["command"][1:]]
