@@ -137,9 +137,15 @@ def test_collapse_rollback_restores_the_last_checkpoint(ray_session, tmp_path, m
         assert torch.equal(value, last["model"][key]), key
 
 
-def test_a_nan_loss_under_bf16_fails_at_its_step(ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
-    # bf16: no scaler, but every step's flags are agreed all the same: the run fails at the step itself.
+def test_a_nan_loss_under_bf16_fails_at_its_step_saying_there_is_nothing_to_resume(
+        ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
+    # bf16: no scaler, but every step's flags are agreed all the same: the run fails at the step itself, before
+    # the first checkpoint (the epoch's end).
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "nan-abort", precision={"preset": "bf16-mixed"},
                 callbacks=[drill("NanLoss", at_step=2)])
     assert rc == 1
-    assert "raised NonFiniteLoss: the loss was not finite at step 2 on rank(s) [0, 1]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "raised NonFiniteLoss: the loss was not finite at step 2 on rank(s) [0, 1]" in err
+    assert "No finite checkpoint was written: there is nothing to resume." in err
+    assert "orchestrator.submit" not in err  # no command to resume what does not exist
+    assert not list(tmp_path.glob("ray_results/nan-abort-*/checkpoint_0*"))
