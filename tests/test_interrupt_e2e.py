@@ -101,8 +101,9 @@ def train_actors(head: RayHead) -> list[str]:
 
 
 def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(head, tmp_path, write_job, mlflow_uri):
-    """Before: both took the name `<job>-<second>`, wrote into one run directory (one record for two MLflow
-    runs), and one of them could die creating the experiment the other had just created."""
+    """Started in the same second, each takes a run name of its own (a name from the job and the second alone
+    would be the same for both), so its own run directory and record, and neither fails on the experiment the
+    other has just created."""
     job = write_job(small_job(precision={"preset": "O0"}, scaling={"num_workers": 1},
                               run={"epochs": 1, "max_steps_per_epoch": 2},
                               tracking={"uri": mlflow_uri, "experiment": "twice"}), name="same.yaml")
