@@ -19,13 +19,12 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
-from orchestrator import api, console
+from orchestrator import console
 from orchestrator.cli.program import prog
-from orchestrator.config import load_job, reference, to_yaml
+from orchestrator.config import reference
 from orchestrator.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, Interrupted,
                                  exit_within, interrupt_on_sigint, interrupt_on_sigterm)
 from orchestrator.runner import remote
-from orchestrator.runner.preflight import preflight
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
@@ -82,6 +81,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _submit(args: argparse.Namespace) -> int:
     """The command line around the Python API (`orchestrator.api`): dry runs and job servers here, a run
     there; bad input is exit 2."""
+    # torch, Ray and MLflow (seconds) once the arguments are parsed: `--help` prints without them.
+    from orchestrator import api
+    from orchestrator.config import load_job, to_yaml
+    from orchestrator.runner.preflight import preflight
+
     job_path = Path(args.job)
     to_cluster = remote.is_job_server_address(args.address)
     try:
