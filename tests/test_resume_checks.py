@@ -169,15 +169,15 @@ def test_the_driver_removes_them_after_a_failed_checkpoint_write_only():
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
-    from orchestrator.runner.driver import _checkpoint_write_failed
+    from orchestrator.runner.outcome import checkpoint_write_failed
     from orchestrator.train.checkpoint import CheckpointWriteError
 
     def failed(cause: Exception) -> WorkerGroupError:
         return WorkerGroupError("training failed", {1: RayTaskError("train_loop", "", cause).as_instanceof_cause()})
 
-    assert _checkpoint_write_failed(failed(CheckpointWriteError("could not write checkpoint ... disk is full")))
-    assert not _checkpoint_write_failed(failed(RuntimeError("a bug in the model")))
-    assert not _checkpoint_write_failed(RuntimeError("the controller failed"))
+    assert checkpoint_write_failed(failed(CheckpointWriteError("could not write checkpoint ... disk is full")))
+    assert not checkpoint_write_failed(failed(RuntimeError("a bug in the model")))
+    assert not checkpoint_write_failed(RuntimeError("the controller failed"))
 
 
 def test_a_resume_under_another_preset_is_recorded_on_the_run(write_job, tmp_path, mlflow_uri, capsys):
