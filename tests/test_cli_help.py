@@ -1,5 +1,6 @@
 """Every command's usage line names the command the user typed: `ampflow submit --help` says `ampflow submit`,
-`python -m orchestrator.submit --help` says that. And submit's help prints at once: without torch, Ray or MLflow."""
+`python -m orchestrator.submit --help` says that. And submit's and sweep's help print at once:
+without torch, Ray or MLflow."""
 
 import subprocess
 import sys
@@ -24,19 +25,20 @@ def test_the_usage_line_names_the_command_as_typed(command):
 
 HELP_IMPORTS = """
 import runpy, sys
-sys.argv = ["orchestrator.submit", sys.argv[1]]
+sys.argv = [sys.argv[1], sys.argv[2]]
 try:
-    runpy.run_module("orchestrator.submit", run_name="__main__")
+    runpy.run_module(sys.argv[0], run_name="__main__")
 except SystemExit as exc:
     assert exc.code == 0, exc.code
 print("IMPORTED", sorted(m for m in ("torch", "ray", "mlflow") if m in sys.modules))
 """
 
 
+@pytest.mark.parametrize("command", ["submit", "sweep"])
 @pytest.mark.parametrize("flag", ["--help", "--help-config"])
-def test_submit_prints_its_help_without_importing_torch_ray_or_mlflow(flag):
-    done = subprocess.run([sys.executable, "-c", HELP_IMPORTS, flag], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+def test_submit_and_sweep_print_their_help_without_importing_torch_ray_or_mlflow(command, flag):
+    done = subprocess.run([sys.executable, "-c", HELP_IMPORTS, f"orchestrator.{command}", flag], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "run.epochs" in done.stdout  # the config reference is there
     assert done.stdout.splitlines()[-1] == "IMPORTED []", done.stdout[-300:]

@@ -101,7 +101,8 @@ def test_bad_input_exits_2_says_what_and_starts_nothing(outcomes, name):
 
 
 def test_job_precision_keys_that_keep_the_presets_are_announced(write_job, capsys):
-    from orchestrator.cli.sweep import parse_args, validate
+    from orchestrator.cli.sweep import parse_args
+    from orchestrator.cli.sweep_run import validate
 
     job = write_job(small_job(precision={"preset": "O1", "init_scale": 1024.0}))
     plan = validate(parse_args([str(job), "--presets", "O0,bf16-true"]))
@@ -112,7 +113,8 @@ def test_job_precision_keys_that_keep_the_presets_are_announced(write_job, capsy
 
 
 def test_lightning_names_are_accepted_and_children_run_the_canonical_preset(write_job):
-    from orchestrator.cli.sweep import parse_args, validate
+    from orchestrator.cli.sweep import parse_args
+    from orchestrator.cli.sweep_run import validate
 
     plan = validate(parse_args([str(write_job(small_job())), "--presets", "32-true, bf16", "run.name=mine"]))
     assert list(plan.configs) == ["O0", "bf16-mixed"] and plan.name == "mine-sweep"
@@ -120,7 +122,8 @@ def test_lightning_names_are_accepted_and_children_run_the_canonical_preset(writ
 
 
 def test_a_grid_runs_the_cartesian_product_each_point_labelled_by_its_values(write_job, capsys):
-    from orchestrator.cli.sweep import parse_args, validate
+    from orchestrator.cli.sweep import parse_args
+    from orchestrator.cli.sweep_run import validate
 
     job = write_job(small_job(run={"name": "g"}))
     plan = validate(parse_args([str(job), "--grid", "optim.lr=0.1,0.05", "--grid", "precision.preset=O0,bf16"]))
@@ -138,7 +141,8 @@ def test_a_grid_runs_the_cartesian_product_each_point_labelled_by_its_values(wri
 
 
 def test_a_list_in_brackets_is_one_value_of_the_grid(write_job):
-    from orchestrator.cli.sweep import parse_args, validate
+    from orchestrator.cli.sweep import parse_args
+    from orchestrator.cli.sweep_run import validate
 
     job = write_job(small_job(run={"name": "g"}, optim={"name": "adamw"}))
     plan = validate(parse_args([str(job), "--grid", "optim.betas=[0.9, 0.99],[0.8,0.9]", "--grid", "optim.lr=0.1"]))
