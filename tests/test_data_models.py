@@ -1,12 +1,17 @@
 """Datasets, per-rank sharding and the model registry."""
 
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from orchestrator.config.schema import DataSection, ModelSection
-from orchestrator.train.data import ShardSampler, build_datasets, build_loaders, ensure_available
+from orchestrator.train import data
+from orchestrator.train.data import (ShardSampler, build_datasets, build_loaders, digits_arrays, ensure_available,
+                                     stratified_split)
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train.models import build_model
 
@@ -26,6 +31,39 @@ def test_digits_are_real_3x32x32_with_a_fixed_stratified_split():
     # Disjoint: no test image is also a training image.
     train_rows = {row.numpy().tobytes() for row in train.tensors[0][:, 0, ::4, ::4]}
     assert not any(row.numpy().tobytes() in train_rows for row in test.tensors[0][:, 0, ::4, ::4])
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it():
+    """The same images and labels as `sklearn.datasets.load_digits`; building the data in a fresh process (as the
+    driver's pre-flight and each rank do) leaves scikit-learn unimported."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images, labels = digits_arrays()
+    assert torch.equal(images, torch.tensor(digits.images, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(digits.target, dtype=torch.long))
+    script = ("import sys\nfrom orchestrator.config.schema import DataSection\n"
+              "from orchestrator.train.data import build_datasets\n"
+              "train, test = build_datasets(DataSection(name='digits'), num_classes=10)\n"
+              "print(len(train), len(test), 'sklearn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.stdout.split() == ["1437", "360", "False"], done.stderr[-2000:]
+
+
+def test_the_stratified_split_gives_each_class_its_share_with_the_rounding_to_the_largest_remainders():
+    labels = torch.tensor([0] * 5 + [1] * 3 + [2] * 2)  # 4 test samples: shares 2.0, 1.2, 0.8
+    train, test = stratified_split(labels, 0.4, seed=0)
+    assert Counter(labels[test].tolist()) == {0: 2, 1: 1, 2: 1}
+    assert sorted(train.tolist() + test.tolist()) == list(range(10))
+    assert torch.equal(test, stratified_split(labels, 0.4, seed=0)[1])
+    assert any(not torch.equal(test, stratified_split(labels, 0.4, seed=seed)[1]) for seed in range(1, 5))
+
+
+def test_digits_without_scikit_learn_is_data_unavailable_saying_what_to_install(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataUnavailable, match=r"pip install scikit-learn"):
+        digits_arrays()
 
 
 def test_each_rank_trains_on_its_own_shard_and_eval_covers_every_sample_once():

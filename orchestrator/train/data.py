@@ -10,12 +10,14 @@ host-to-device copies per step). Both walk the same `ResumableSampler` order, so
 rank the same samples in the same order.
 """
 
+import importlib.util
 import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -92,27 +94,48 @@ def _cifar10(data_cfg) -> tuple[Dataset, Dataset]:
 
 
 def _digits() -> tuple[Dataset, Dataset]:
-    # scikit-learn: seconds to import, and only the digits dataset needs it
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32) / 16.0  # 0..16 -> 0..1
+    images, labels = digits_arrays()
+    images = images / 16.0  # 0..16 -> 0..1
     # 8x8 -> 32x32 by pixel repetition, grey -> 3 channels, then standardise.
     images = images.repeat_interleave(4, dim=1).repeat_interleave(4, dim=2)
     images = images.unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
     images = (images - images.mean()) / images.std()
-    labels = torch.tensor(digits.target, dtype=torch.long)
-    train_idx, test_idx = train_test_split(
-        torch.arange(len(labels)).numpy(),
-        test_size=DIGITS_TEST_FRACTION,
-        stratify=labels.numpy(),
-        random_state=DIGITS_SPLIT_SEED,
-    )
+    train_idx, test_idx = stratified_split(labels, DIGITS_TEST_FRACTION, DIGITS_SPLIT_SEED)
     return (
         TensorDataset(images[train_idx], labels[train_idx]),
         TensorDataset(images[test_idx], labels[test_idx]),
     )
+
+
+def digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits: 1797 8x8 images (float32, 0..16) and their labels (int64), read from the file
+    scikit-learn ships, which its `load_digits` reads too. scikit-learn itself is not imported: that takes 2-4 s,
+    in every process that builds the data (the driver's pre-flight and each rank), for a 1797-line file."""
+    found = importlib.util.find_spec("sklearn")  # where the package is, without running it
+    path = Path(found.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if found else None
+    if path is None or not path.is_file():
+        raise DataUnavailable(f"data.name: digits is read from scikit-learn's digits.csv.gz, not found "
+                              f"({path or 'scikit-learn is not installed'}). Install scikit-learn "
+                              "(pip install scikit-learn) in the environment that trains.")
+    table = torch.from_numpy(np.loadtxt(path, delimiter=",", dtype=np.float32))
+    return table[:, :-1].reshape(-1, 8, 8).contiguous(), table[:, -1].long()
+
+
+def stratified_split(labels: torch.Tensor, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, test) indices, each sorted: `ceil(test_fraction * n)` test samples, each class giving its share of
+    them (the rounding goes to the largest remainders, the lower class on a tie), drawn by a permutation seeded
+    with `seed`, so the split is the same in every process."""
+    generator = torch.Generator().manual_seed(seed)
+    classes, counts = labels.unique(return_counts=True)
+    n_test = math.ceil(test_fraction * len(labels))
+    shares = counts.double() * n_test / len(labels)
+    take = shares.floor().long()
+    take[torch.argsort(take - shares, stable=True)[:n_test - int(take.sum())]] += 1
+    test = torch.cat([(labels == label).nonzero().flatten()[torch.randperm(int(count), generator=generator)[:k]]
+                      for label, count, k in zip(classes, counts, take.tolist())])
+    in_train = torch.ones(len(labels), dtype=torch.bool)
+    in_train[test] = False
+    return in_train.nonzero().flatten(), test.sort().values
 
 
 SYNTHETIC_DISTINCT = 4096
