@@ -13,12 +13,16 @@ from orchestrator.train.report import CHECKPOINT_SCORE
 
 
 class DriverTrainer(TorchTrainer):
-    """A TorchTrainer whose `fit()` leaves Ctrl-C to the driver, and which keeps its run's controller.
+    """A TorchTrainer whose `fit()` leaves Ctrl-C to the driver, keeps its run's controller, and starts no Ray
+    Data machinery.
 
     Ray Train's own SIGINT handler aborts the run with a blocking call to the controller made from inside the
     signal handler (Ctrl-C then waits on the controller, and with a busy or stuck one does not end the driver),
     and, left installed after `fit()`, swallows a Ctrl-C that comes during the final logging. Here Ctrl-C raises
     like SIGTERM, and the driver kills the controller (`RayStart.stop_training`): its workers go with it.
+
+    The workers load their data themselves (`orchestrator.train.data`), never through Ray Datasets; Ray Train
+    would still start a `DatasetManager` actor for every worker group (a process, ~2 s of CPU, for nothing).
     """
 
     controller = None
@@ -26,6 +30,12 @@ class DriverTrainer(TorchTrainer):
 
     def _register_sigint_handler(self, controller) -> None:  # Ray Train calls it, on the main thread, in fit()
         self.controller = controller
+
+    def _create_default_callbacks(self) -> list:  # Ray Train 2.60 calls it once, in fit()
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [callback for callback in callbacks if type(callback).__name__ != "DatasetsCallback"]
 
 
 def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
