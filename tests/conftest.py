@@ -81,6 +81,15 @@ def ray_sessions(ray_tmpdir: Path) -> list[str]:
     return sorted(p.name for p in (ray_tmpdir / "ray").glob("session_2*"))
 
 
+def ray_actor_names(ray_tmpdir: Path) -> set[str]:
+    """The classes of the actors the Rays started in `ray_tmpdir` ran (each actor's worker log names it)."""
+    names = set()
+    for log in (ray_tmpdir / "ray").glob("session_2*/logs/worker-*.out"):
+        names.update(line.removeprefix(":actor_name:").strip() for line in log.read_text(errors="replace").splitlines()
+                     if line.startswith(":actor_name:"))
+    return names
+
+
 @pytest.fixture
 def write_job(tmp_path):
     """Write a job mapping as YAML in tmp_path and return its path."""

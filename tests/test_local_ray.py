@@ -5,7 +5,7 @@ Without `--address` and `$RAY_ADDRESS`, submit, sweep and `run()` start a Ray of
 joined (submit, end to end; sweep and `run()` give `ray.init` the same "local"). A cluster named explicitly is
 waited for at most `ray_start.CLUSTER_WAIT_S`; `run()` then returns a FAILED result, and Ctrl-C or SIGTERM end the
 wait at once (the run KILLED). Each process case has Ray's temp dir (`RAY_TMPDIR`) of its own, so the Ray it
-starts shares nothing with any other.
+starts shares nothing with any other. A Ray of submit's own runs no actor a single node has no use for.
 """
 
 import signal
@@ -19,7 +19,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import own_ray_env, ray_sessions, small_job
+from conftest import own_ray_env, ray_actor_names, ray_sessions, small_job
 from ray_head import free_ports
 
 STALE_CLUSTER = "192.0.2.2:36943"  # TEST-NET-1: nothing answers there, ever
@@ -58,6 +58,11 @@ def test_without_an_address_a_stale_current_cluster_file_is_never_joined(stale_r
     assert STALE_CLUSTER not in done.stdout + done.stderr
     assert len(ray_sessions(stale_ray_tmpdir)) == 1, "it started a Ray of its own, in Ray's temp dir"
     assert set(statuses(tmp_path)) == {"FINISHED"}
+    # On a Ray of its own (one node, which nothing drains) and without Ray Datasets, Ray Train starts neither its
+    # preemption watcher nor its dataset manager: a process each, for nothing.
+    actors = ray_actor_names(stale_ray_tmpdir)
+    assert {"TrainController", "RayTrainWorker", "ReportRelay"} <= actors, actors
+    assert not actors & {"PreemptionWatcher", "DatasetManager"}, actors
 
 
 class RayInitCalled(Exception):

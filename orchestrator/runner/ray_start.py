@@ -30,6 +30,10 @@ CONNECT_ATTEMPT_S = 2.0
 """One connection attempt's limit while waiting for a cluster (then a second's pause and another try)."""
 
 
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's switch for its preemption watcher: an actor per worker group that polls Ray for nodes being drained."""
+
+
 class RayUnreachable(ConnectionError):
     """No Ray cluster accepted a connection at the address within `CLUSTER_WAIT_S`."""
 
@@ -104,10 +108,22 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
     # (measured in bench.orchestration). A local Ray we start inherits this environment; on an existing
     # cluster, set it on the cluster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
-    # Worker and controller logs stay in Ray's session directory; the console gets one progress line (and what
-    # the user's code prints on the workers, `run.worker_output`, through the relay). Ray's own INFO lines and
-    # start-up warnings reach it with -v only.
-    ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level=console.ray_logging_level())
+    # A Ray of this run's own is one node, which nothing drains: Ray Train's preemption watcher would be one more
+    # process per worker group (~2 s of CPU) with nothing to watch. Ray's processes take the variable from this
+    # environment as they start; it leaves this process's environment again with ray.init, so that a later run
+    # from the same process on a cluster keeps the watcher. A value the user set is left as it is.
+    watcher_off = address == "local" and PREEMPTION_WATCHER_ENV not in os.environ
+    if watcher_off:
+        os.environ[PREEMPTION_WATCHER_ENV] = "0"
+    try:
+        # Worker and controller logs stay in Ray's session directory; the console gets one progress line (and what
+        # the user's code prints on the workers, `run.worker_output`, through the relay). Ray's own INFO lines and
+        # start-up warnings reach it with -v only.
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False,
+                 logging_level=console.ray_logging_level())
+    finally:
+        if watcher_off:
+            os.environ.pop(PREEMPTION_WATCHER_ENV, None)
     return True, None
 
 
