@@ -1,6 +1,7 @@
 # Two entry points, both self-contained on a fresh clone:
 #   make run   -> create .venv if missing, install, train jobs/quickstart.yaml on local Ray
-#   make test  -> same set-up, then the whole test suite
+#   make test  -> same set-up, then the whole test suite (as CI runs it)
+#   make test-fast -> the tests that start no Ray and train in no process of their own, for the inner loop
 # and the GPU visit (docs/benchmarks.md, "The GPU visit"):
 #   make gpu-wheels         -> .whl/: wheels the visit needs beside torch (a machine with internet makes them)
 #   make gpu-wheels-submit  -> .whl-parts/: Ray, MLflow and what they need, packed in parts, for its submit step
@@ -9,12 +10,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 JOB    ?= jobs/quickstart.yaml
-# The slowest tests are listed after every run: the suite has a time budget (README, "Notes on CPUs").
-PYTEST_ARGS ?= --durations=40
+# Test files run side by side, each whole in one test process (its module fixtures built once); how many
+# processes: AMPFLOW_TEST_WORKERS, else one more than the cores, as memory allows (tests/conftest.py).
+# The slowest tests are listed after every run: the suite has a time budget (README, "Tests and their budget").
+PYTEST_ARGS ?= -n auto --dist loadscope --durations=40
 # Re-install only when the project's metadata changed.
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean gpu-wheels gpu-wheels-submit gpu-check
+.PHONY: run test test-fast install clean gpu-wheels gpu-wheels-submit gpu-check
 
 install: $(STAMP)
 
@@ -30,6 +33,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) mlflow.db mlruns ray_results .pytest_cache

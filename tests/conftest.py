@@ -1,14 +1,79 @@
-"""Shared fixtures: one real local Ray for the whole session, real MLflow stores in tmp dirs."""
+"""Shared fixtures: one real Ray head for the whole test session, real MLflow stores in tmp dirs.
+
+The suite runs side by side in several test processes (pytest-xdist, `-n auto`: `pytest_xdist_auto_num_workers`).
+What a session builds once is built once for all of them, in the session's shared directory
+(`$AMPFLOW_TEST_SHARED`, made by the first pytest process, the controller, and removed by it at the end): the
+migrated MLflow store that every test's store copies, and the Ray head the tests that only train on a Ray connect
+to. Everything else is each test's own: its temporary directory, MLflow store, Ray temp dir and ports.
+"""
 
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+WORKERS_ENV = "AMPFLOW_TEST_WORKERS"
+"""How many test processes `-n auto` runs; by default `auto_workers()`."""
+
+MEMORY_PER_WORKER = 5 * 2**30
+"""What one test process may hold at once, with what it starts: itself (~2 GiB), a fit's two Ray Train workers and
+controller (~1 GiB each), or a driver and its own Ray."""
+
+SHARED_ENV = "AMPFLOW_TEST_SHARED"
+"""The session's shared directory, inherited by every test process."""
+
+
+def auto_workers() -> int:
+    """One test process more than the machine has cores (a test waits on process start-ups, Ray and servers a
+    good part of its time), as many as the available memory holds."""
+    import psutil
+
+    by_memory = psutil.virtual_memory().available // MEMORY_PER_WORKER
+    return max(1, min((os.cpu_count() or 1) + 1, by_memory))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if not value:
+        return auto_workers()
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"{WORKERS_ENV}={value!r}: give a number of test processes, 1 or more")
+    return int(value)
+
+
+def pytest_configure(config):
+    if SHARED_ENV not in os.environ:  # the controller, or the one process without xdist: it owns the directory
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="ampflow-suite-", dir="/tmp")
+        config.stash[_SHARED_OWNER] = True
+
+
+def pytest_unconfigure(config):
+    if config.stash.get(_SHARED_OWNER, False):  # every test process is done by now
+        from ray_head import stop_shared_head
+
+        shared = Path(os.environ.pop(SHARED_ENV))
+        stop_shared_head(shared)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+_SHARED_OWNER = pytest.StashKey[bool]()
+
+
+def shared_dir() -> Path:
+    return Path(os.environ[SHARED_ENV])
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with end-to-end tests first: side by side, the long files start at once and the short ones fill
+    in at the end (`--dist loadscope` hands out whole files in this order)."""
+    first = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in first)  # stable: each file's own order kept
 
 
 @pytest.fixture(autouse=True)
@@ -32,13 +97,37 @@ def _sigint_left_as_found():
         pytest.fail("the test changed the process's SIGINT: " + "; ".join(problems))
 
 
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_ray_and_no_training_processes(request, monkeypatch):
+    """`make test-fast` runs the tests not marked `slow`: each of those starts no Ray and trains in no process of
+    its own (the Ray-free loop's ranks, `torch.multiprocessing`). One that does fails, saying to mark it."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    import torch.multiprocessing  # noqa: F401 - `spawn` below is its module
+
+    def refuse(*args, **kwargs):
+        pytest.fail("this test starts processes with torch.multiprocessing (a training's ranks): mark it "
+                    "@pytest.mark.slow, or train in this process")
+
+    monkeypatch.setattr(sys.modules["torch.multiprocessing.spawn"], "start_processes", refuse)
+    ray = sys.modules.get("ray")
+    connected = ray is not None and ray.is_initialized()
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and not connected:
+        pytest.fail("this test started or joined a Ray: mark it @pytest.mark.slow")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """One `ray.init(num_cpus=2)` shared by every test that trains; stopped at the end."""
+    """This test process connected, as a driver, to the session's shared Ray head (`ray_head.shared_head`: one
+    for every test process); disconnected at the end."""
     import ray
+    from ray_head import shared_head
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False, logging_level="WARNING")
+    ray.init(address=shared_head(shared_dir())["gcs_address"], log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
@@ -54,13 +143,16 @@ def ray_tmpdir():
     directory = Path(tempfile.mkdtemp(prefix="ampflow-rt-", dir="/tmp"))
     (directory / "ray").mkdir()
     yield directory
-    left = []
+    left = {}
     for process in psutil.process_iter(["cmdline"]):
         try:
             if str(directory) in " ".join(process.info["cmdline"] or []):
-                left.append(process)
+                # and what it started: Ray's workers and the dashboard's modules name themselves anew
+                for found in [process, *process.children(recursive=True)]:
+                    left[found.pid] = found
         except psutil.Error:
             pass
+    left = list(left.values())
     for process in left:
         try:
             process.kill()
@@ -103,13 +195,19 @@ def write_job(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def _mlflow_template(tmp_path_factory) -> Path:
-    """An empty SQLite MLflow store with every table made: MLflow's migrations take seconds on a small machine, so
-    each test's store starts as a copy of this one."""
-    from mlflow import MlflowClient
+def _mlflow_template() -> Path:
+    """An empty SQLite MLflow store with every table made, once for the session's test processes: MLflow's
+    migrations take seconds on a small machine, so each test's store starts as a copy of this one."""
+    from filelock import FileLock
 
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    path = shared_dir() / "mlflow-template.db"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            from mlflow import MlflowClient
+
+            building = path.with_name("mlflow-template.building.db")
+            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()
+            building.rename(path)
     return path
 
 

@@ -104,6 +104,7 @@ def test_preflight_takes_int64_token_ids_through_the_collate_function_and_names_
     assert train.target_dtype == "int64" and train.num_samples == 256
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_a_torchmetrics_f1_over_two_uneven_shards_equals_it_over_the_whole_eval_set_in_one_process(
         textcls, tmp_path):
     """101 eval samples: rank 0 scores 51 and rank 1 50, each with a short last batch. The logged macro-F1 is

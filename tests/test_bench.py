@@ -37,6 +37,7 @@ def check_record(done: subprocess.CompletedProcess, record: dict, harness: str, 
     assert set(record["targets"]) <= set(record["ratios"])
 
 
+@pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_policy_harness(tmp_path):
     done, record = run_harness("policy", tmp_path)
     check_record(done, record, "policy", {"policy_step_time"})
@@ -50,12 +51,14 @@ def test_fsdp_memory_harness(tmp_path):
     assert record["figures"]["O0"]["prediction_exact"] is True
 
 
+@pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_fast_paths_harness(tmp_path):
     done, record = run_harness("fast_paths", tmp_path)
     check_record(done, record, "fast_paths", {f"{name}_speedup" for name in
                                               ("device_loader", "channels_last", "fused", "compile", "all")})
 
 
+@pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_telemetry_harness_with_mlflow(tmp_path):
     done, record = run_harness("telemetry", tmp_path)
     check_record(done, record, "telemetry", {"telemetry_step_time", "grad_check_step_time", "watchdog_step_time"})
@@ -63,6 +66,7 @@ def test_telemetry_harness_with_mlflow(tmp_path):
     assert math.isfinite(record["figures"]["mlflow_ms_per_report"])
 
 
+@pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_telemetry_harness_without_mlflow(tmp_path):
     done, record = run_harness("telemetry", tmp_path, "--no-mlflow")
     check_record(done, record, "telemetry", {"telemetry_step_time"})

@@ -236,6 +236,7 @@ with staged_checkpoint(0, None, {"rng": rng.capture(), "window": {"loss_sum": 0.
 """
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_a_checkpoint_staged_by_a_killed_process_is_removed_when_training_next_starts(write_job, tmp_path,
                                                                                      monkeypatch):
     import subprocess

@@ -37,6 +37,7 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_dry_run_writes_every_record_of_the_visit(tmp_path):
     out = tmp_path / "visit"
     done = visit(out)
@@ -90,6 +91,7 @@ def test_dry_run_writes_every_record_of_the_visit(tmp_path):
     assert all((out / "logs" / f"{name}.log").is_file() for name in expected)
 
 
+@pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_a_step_that_fails_or_overruns_does_not_stop_the_others(tmp_path):
     out = tmp_path / "visit"
     done = visit(out, "--only", "policy,gpu_amp", VISIT_TIMEOUT_POLICY="1")

@@ -77,6 +77,7 @@ def test_nonfinite_gradients_fail_the_run_or_only_warn_as_configured(write_job, 
     assert checkpoints(tmp_path / "warning") == []
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_one_rank_s_nonfinite_gradients_skip_the_step_on_both_and_its_nonfinite_weights_stop_the_checkpoint(
         write_job, tmp_path):
     """Two gloo ranks. Step 2: an inf in rank 1's gradient only (after DDP's all-reduce, so rank 0's are finite):

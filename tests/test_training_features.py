@@ -81,6 +81,7 @@ def test_a_step_the_scaler_skips_is_neither_clipped_nor_counted(write_job):
     assert distance(before, training.precision.fp32_state_dict()) == 0.0
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_accumulating_four_batches_of_8_equals_one_batch_of_32_on_two_ddp_ranks(write_job, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same kernels, summing alike, in both runs
 
@@ -99,6 +100,7 @@ def test_accumulating_four_batches_of_8_equals_one_batch_of_32_on_two_ddp_ranks(
     assert any(not torch.equal(initial.fp32_state_dict()[k], w) for k, w in big["weights"].items())
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_early_stopping_ends_the_run_at_the_first_evaluation_past_its_patience(write_job, tmp_path):
     """lr 0: evaluation never improves; with patience 2 the run stops after epoch 3 of 6, tagged, and every
     report carries the learning rate."""

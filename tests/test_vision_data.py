@@ -38,6 +38,7 @@ def folder_job(write_job, folder, **model):
         scaling={"num_workers": 1}, run={"batch_size": 6, "epochs": 1})))
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_an_image_folder_of_1x28x28_trains_a_one_channel_model_logged_with_that_signature(write_job, folder,
                                                                                            tmp_path, mlflow_uri):
     import mlflow

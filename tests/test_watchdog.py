@@ -37,6 +37,7 @@ def header(text):
     return json.loads(first[len(HEADER):])
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_a_rank_whose_forward_blocks_ends_the_run_within_the_bound_with_every_ranks_stack(write_job, tmp_path):
     marker = tmp_path / "stalled"  # written as the forward blocks
     with pytest.raises(StepStalled) as info:
@@ -61,6 +62,7 @@ def test_a_rank_whose_forward_blocks_ends_the_run_within_the_bound_with_every_ra
     assert "in blocked_forward (stacks: " in message and "rank 0" not in message
 
 
+@pytest.mark.slow  # trains in processes of its own
 def test_a_sigstopped_rank_ends_the_run_within_the_bound_named_as_the_one_without_a_stack(write_job, tmp_path):
     marker = tmp_path / "stopped"  # written as the rank stops itself
     with pytest.raises(StepStalled) as info:
