@@ -1,8 +1,7 @@
 """`python -m orchestrator.export`: the documented command; the code is in `orchestrator.cli.export`."""
 
-import sys
-
 from orchestrator.cli.export import main
+from orchestrator.errors import command_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

@@ -6,6 +6,7 @@ import sys
 import types
 
 from orchestrator.cli.predict import main
+from orchestrator.errors import command_exit
 from orchestrator.runner.predict import predict
 
 
@@ -17,4 +18,4 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

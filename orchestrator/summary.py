@@ -1,8 +1,7 @@
 """`python -m orchestrator.summary`: the documented command; the code is in `orchestrator.cli.summary`."""
 
-import sys
-
 from orchestrator.cli.summary import main
+from orchestrator.errors import command_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

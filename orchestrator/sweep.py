@@ -1,8 +1,7 @@
 """`python -m orchestrator.sweep`: the documented command; the code is in `orchestrator.cli.sweep`."""
 
-import sys
-
 from orchestrator.cli.sweep import main
+from orchestrator.errors import command_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

@@ -7,7 +7,8 @@
   directory and record, one experiment that either of them created.
 
 And a driver on a local Ray of its own (its own Ray temp dir) with a rank stuck in forward: Ctrl-C and SIGTERM
-end it within 30 s, the run KILLED, its Ray's processes gone, no second Ray session started.
+end it within the 25 s the README promises (`errors.INTERRUPT_DEADLINE_S`), whatever else the machine runs
+(these tests run beside others), the run KILLED, its Ray's processes gone, no second Ray session started.
 """
 
 import json
@@ -23,6 +24,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import own_ray_env, ray_sessions, small_job
+from orchestrator.errors import INTERRUPT_DEADLINE_S
 from ray_head import RayHead
 from test_submit_e2e import only_run
 
@@ -152,9 +154,9 @@ class Net(nn.Module):
 # SIGTERM here (what Kubernetes sends), SIGINT during the final logging below (where Ray Train's handler swallowed
 # Ctrl-C): each path is taken by one signal end to end; both signals reach the same handler (tests/test_signals.py).
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143)])
-def test_a_signal_while_a_rank_is_stuck_ends_the_driver_within_30_s_with_the_run_killed_and_its_ray_gone(
+def test_a_signal_while_a_rank_is_stuck_ends_the_driver_within_25_s_with_the_run_killed_and_its_ray_gone(
         new_store, signum, exit_code, ray_tmpdir, tmp_path):
-    """A driver on a local Ray of its own, one of its two ranks stuck in forward: the signal ends it within 30 s
+    """A driver on a local Ray of its own, one of its two ranks stuck in forward: the signal ends it within 25 s
     with 128 + signum and one `interrupted` line, the run KILLED, every process of its Ray (workers included)
     gone, and no second Ray session started on the way out."""
     (tmp_path / "stuck_nets.py").write_text(STUCK_NETS)
@@ -186,7 +188,7 @@ def test_a_signal_while_a_rank_is_stuck_ends_the_driver_within_30_s_with_the_run
             driver.kill()
     err = (tmp_path / "stderr.txt").read_text()
     assert returncode == exit_code, err
-    assert waited < 30, f"{waited:.0f} s after the signal\n{err}"
+    assert waited < INTERRUPT_DEADLINE_S, f"{waited:.0f} s after the signal\n{err}"
     assert len([line for line in err.splitlines() if line.startswith("interrupted")]) == 1, err
     assert "Traceback" not in err and "not the main thread" not in err, err
     _, run = only_run(uri, "stuck")
@@ -254,7 +256,7 @@ def test_a_signal_during_the_final_logging_ends_the_driver_with_the_run_killed(n
     returncode, waited, started = signal_when(driver, (tmp_path / "logging").exists, signum, tmp_path / "stderr.txt")
     err = (tmp_path / "stderr.txt").read_text()
     assert returncode == exit_code, err
-    assert waited < 30, f"{waited:.0f} s after the signal\n{err}"
+    assert waited < INTERRUPT_DEADLINE_S, f"{waited:.0f} s after the signal\n{err}"
     assert only_run(uri, "logging")[1].info.status == "KILLED"
     assert len(ray_sessions(ray_tmpdir)) == 1
     _, alive = psutil.wait_procs(started, timeout=15)
@@ -264,7 +266,7 @@ def test_a_signal_during_the_final_logging_ends_the_driver_with_the_run_killed(n
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_while_ray_starts_ends_the_driver_and_leaves_nothing_running(new_store, signum, exit_code, ray_tmpdir,
                                                                              tmp_path):
-    """As the local Ray's session appears: the driver ends within 30 s, its run (created meanwhile) KILLED, no Ray
+    """As the local Ray's session appears: the driver ends within 25 s, its run (created meanwhile) KILLED, no Ray
     process of its left behind, no second session."""
     uri = new_store(tmp_path)
     MlflowClient(tracking_uri=uri).create_experiment("starting")  # the store exists: creating the run is quick
@@ -274,7 +276,7 @@ def test_a_signal_while_ray_starts_ends_the_driver_and_leaves_nothing_running(ne
                                         tmp_path / "stderr.txt")
     err = (tmp_path / "stderr.txt").read_text()
     assert returncode == exit_code, err
-    assert waited < 30, f"{waited:.0f} s after the signal\n{err}"
+    assert waited < INTERRUPT_DEADLINE_S, f"{waited:.0f} s after the signal\n{err}"
     assert "Traceback" not in err, err
     assert {run.info.status for run in runs(uri)} <= {"KILLED"}, "a run created is closed KILLED"
     assert len(ray_sessions(ray_tmpdir)) == 1

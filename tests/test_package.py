@@ -38,7 +38,7 @@ def test_the_wheel_holds_the_presets_and_the_command(installed):
     shipped = {Path(name).stem for name in names if name.startswith("orchestrator/presets/precision/")}
     assert shipped == {path.stem for path in (REPO / "configs" / "precision").glob("*.yaml")}
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
-    assert "ampflow = orchestrator.cli.ampflow:main" in zipfile.ZipFile(installed["wheel"]).read(entry_points).decode()
+    assert "ampflow = orchestrator.cli.ampflow:run" in zipfile.ZipFile(installed["wheel"]).read(entry_points).decode()
 
 
 def test_the_installed_command_resolves_a_preset_from_another_directory(installed):

@@ -2,7 +2,9 @@
 
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
+
+from orchestrator.errors import command_exit
 
 COMMANDS = {
     "submit": "train a job file on Ray Train workers, tracked in one MLflow run",
@@ -33,5 +35,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return module.main(rest)
 
 
+def run() -> NoReturn:
+    """The `ampflow` console script: `main()`, then the process ends as every command's does (`command_exit`)."""
+    command_exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator.cli.program import prog
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, command_exit
 from orchestrator.runner.export import EXPORT_DTYPES, ExportRefused, export_logged_run
 from orchestrator.tracking.secrets import install_console_redaction, redact
 from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri
@@ -43,4 +43,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

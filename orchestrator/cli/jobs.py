@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from orchestrator.cli.program import prog
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput, command_exit
 from orchestrator.runner import remote
 from orchestrator.tracking.secrets import install_console_redaction
 
@@ -81,4 +81,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

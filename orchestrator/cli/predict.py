@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput, command_exit
 from orchestrator.tracking.secrets import install_console_redaction, redact
 from orchestrator.tracking.tracker import quick_http_failures
 
@@ -93,4 +93,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

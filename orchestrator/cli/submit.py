@@ -23,7 +23,7 @@ from orchestrator import console
 from orchestrator.cli.program import prog
 from orchestrator.config import reference
 from orchestrator.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, Interrupted,
-                                 exit_within, interrupt_on_sigint, interrupt_on_sigterm)
+                                 command_exit, exit_within, interrupt_on_sigint, interrupt_on_sigterm)
 from orchestrator.runner import remote
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
@@ -104,4 +104,4 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

@@ -25,7 +25,7 @@ from torch import nn
 from orchestrator.cli.program import prog
 from orchestrator.config.loader import load_precision
 from orchestrator.config.schema import OptimSection
-from orchestrator.errors import BadInput
+from orchestrator.errors import BadInput, command_exit
 from orchestrator.precision.ledger import CATEGORIES, MemoryLedger
 from orchestrator.train.models import build_model
 from orchestrator.train.optim import build_optimizer
@@ -217,4 +217,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())

@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 from orchestrator import console
 from orchestrator.cli.program import prog
 from orchestrator.config import reference
-from orchestrator.errors import (EXIT_BAD_INPUT, INTERRUPT_DEADLINE_S, BadInput, Interrupted, exit_within,
-                                 interrupt_on_sigint)
+from orchestrator.errors import (EXIT_BAD_INPUT, INTERRUPT_DEADLINE_S, BadInput, Interrupted, command_exit,
+                                 exit_within, interrupt_on_sigint)
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
 
@@ -81,4 +81,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_exit(main())
