@@ -124,6 +124,11 @@ def interrupt_on_sigterm():
     return signal.signal(signal.SIGTERM, _interrupt)
 
 
+def interrupts_on_sigterm() -> bool:
+    """Whether SIGTERM raises `Interrupted` here (`interrupt_on_sigterm`'s handler is the one installed)."""
+    return signal.getsignal(signal.SIGTERM) is _interrupt
+
+
 def interrupt_on_sigint():
     """Ctrl-C raises `Interrupted(SIGINT)` (a KeyboardInterrupt, as Python's own handler raises), and starts
     `exit_within`'s deadline when one is set. Returns the previous handler (None off the main thread)."""

@@ -11,13 +11,16 @@ import os
 import signal
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
+import psutil
+
 from orchestrator import console
-from orchestrator.errors import interrupt_on_sigterm, interrupted_by
+from orchestrator.errors import interrupt_on_sigterm, interrupted_by, interrupts_on_sigterm
 
 HEALTH_CHECK_INTERVAL_S = 0.5
 """How often Ray Train's controller polls workers (and takes their reports) in a Ray that submit starts."""
@@ -119,12 +122,35 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
         # Worker and controller logs stay in Ray's session directory; the console gets one progress line (and what
         # the user's code prints on the workers, `run.worker_output`, through the relay). Ray's own INFO lines and
         # start-up warnings reach it with -v only.
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False,
-                 logging_level=console.ray_logging_level())
+        with _sigterm_handler_kept():
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=False,
+                     logging_level=console.ray_logging_level())
     finally:
         if watcher_off:
             os.environ.pop(PREEMPTION_WATCHER_ENV, None)
     return True, None
+
+
+@contextmanager
+def _sigterm_handler_kept():
+    """While `ray.init` runs, SIGTERM keeps raising `Interrupted` when it did (submit and sweep): Ray installs
+    handlers of its own for that time (`sys.exit(15)`, then its node's, which stops the node's processes and calls
+    `sys.exit(1)`). ray.init starts processes from this thread, and Python runs logging's at-fork callbacks
+    around each start: Ray's handler raising in the one that releases logging's lock left the lock held, and every
+    later logging call, MLflow's creating the run on the other thread included, waited forever (seen under load:
+    the command then ended only at its deadline, its run left RUNNING). Ours sends such a signal again a moment
+    later (`errors._interrupt`). Ray's processes, started to share this process's fate, end with it."""
+    import ray._private.utils as ray_utils  # where ray.init and its node install their handlers (Ray 2.60)
+
+    if not interrupts_on_sigterm():
+        yield
+        return
+    install = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
 
 
 @dataclass
@@ -167,7 +193,45 @@ class RayStart:
             self.previous_sigterm = None
         if self.started:
             self.started = False
+            processes = _own_ray_processes()
             ray.shutdown()
+            _end_leftovers(processes)
+
+
+LEFTOVER_GRACE_S = 3.0
+"""How long a process of the Ray that a run started may outlive `ray.shutdown()` before it is killed."""
+
+
+def _own_ray_processes() -> list:
+    """The processes of the Ray this process started (its raylet, GCS, dashboard and the rest) and their
+    descendants (the workers and actors), as they are now: Ray's workers are the raylet's children, and
+    `_end_leftovers` must still know them once the raylet is gone."""
+    import ray._private.worker as ray_worker  # where the node this process started is kept (Ray 2.60)
+
+    node = getattr(ray_worker, "_global_node", None)
+    processes = []
+    for infos in (getattr(node, "all_processes", None) or {}).values():
+        for info in infos:
+            try:
+                process = psutil.Process(info.process.pid)
+                processes += [process, *process.children(recursive=True)]
+            except psutil.Error:  # ended already
+                pass
+    return processes
+
+
+def _end_leftovers(processes: list) -> None:
+    """Kill what of `processes` outlives `LEFTOVER_GRACE_S`. `ray.shutdown()` stops the node's processes and lets
+    the raylet end its workers, but under load it gives up on a slow raylet and kills it, and an actor worker
+    left without its raylet was seen running on (Ray Train's detached PlacementGroupCleaner, 15 s after an
+    interrupted submit had ended)."""
+    _, alive = psutil.wait_procs(processes, timeout=LEFTOVER_GRACE_S)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:  # ended meanwhile
+            pass
+    psutil.wait_procs(alive, timeout=LEFTOVER_GRACE_S)
 
 
 def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStart:
@@ -180,7 +244,7 @@ def start_ray(address: Optional[str], module_sources: Sequence[Path]) -> RayStar
     try:
         start.started, start.worker_runtime_env = init_ray(address, module_sources)
     except BaseException as exc:
-        # SIGTERM during ray.init meets the handler Ray installed first, which exits with the signal's number
+        # SIGTERM during ray.init where Ray's own handler is kept (`run()` from Python) exits with its number
         start.error = interrupted_by(signal.SIGTERM) if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM \
             else exc
         start.started = not found_running and ray.is_initialized()
