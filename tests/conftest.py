@@ -38,6 +38,7 @@ def auto_workers() -> int:
     return max(1, min((os.cpu_count() or 1) + 1, by_memory))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: the suite still runs with -p no:xdist
 def pytest_xdist_auto_num_workers(config) -> int:
     value = os.environ.get(WORKERS_ENV, "").strip()
     if not value:

@@ -13,11 +13,14 @@ from orchestrator.train.system import SystemSampler, start_sampler
 def test_a_sampler_reads_its_process_cpu_and_memory_at_the_step_the_loop_is_at():
     sampler = SystemSampler(rank=3, device=torch.device("cpu"), interval_s=0.05).start()
     sampler.step = 7
-    busy_until = time.monotonic() + 0.4
-    while time.monotonic() < busy_until:  # some CPU for the sampler to see
-        sum(i * i for i in range(1000))
+    samples, deadline = [], time.monotonic() + 60
+    while len(samples) < 3 and time.monotonic() < deadline:  # some CPU for the sampler to see, however loaded
+        busy_until = time.monotonic() + 0.1
+        while time.monotonic() < busy_until:
+            sum(i * i for i in range(1000))
+        samples += sampler.take()
     sampler.stop()
-    samples = sampler.take()
+    samples += sampler.take()
     assert len(samples) >= 3 and sampler.take() == []  # taken once
     assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
     for sample in samples:
