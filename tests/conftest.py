@@ -77,6 +77,37 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.module.__name__ not in first)  # stable: each file's own order kept
 
 
+LONG_TEST_S = 60.0
+"""A test whose call takes longer says why in its docstring, in a paragraph that starts with `Long:`."""
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each call's report carries whether the test's docstring says why it may be long (reports travel from the
+    test processes to the controller, which prints the summary)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        report.user_properties.append(("says_why_long", "Long:" in (getattr(item, "function", None).__doc__ or "")))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > LONG_TEST_S and not dict(report.user_properties).get(
+            "says_why_long", True):
+        _unexplained.append((report.duration, report.nodeid))
+
+
+_unexplained: list = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Under the slowest tests (`--durations`), the tests over `LONG_TEST_S` whose docstring does not say why."""
+    if _unexplained:
+        terminalreporter.section(f"tests over {LONG_TEST_S:.0f} s that do not say why (a `Long:` paragraph in "
+                                 "the docstring)")
+        for duration, nodeid in sorted(_unexplained, reverse=True):
+            terminalreporter.write_line(f"{duration:7.2f}s {nodeid}")
+
+
 @pytest.fixture(autouse=True)
 def _sigint_left_as_found():
     """Every test leaves SIGINT as it found it: its handler, and unblocked. The processes a test starts inherit both,

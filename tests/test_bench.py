@@ -94,6 +94,10 @@ def test_gpu_amp_harness(tmp_path):
 
 @pytest.mark.slow
 def test_orchestration_harness(tmp_path):
+    """The orchestration harness end to end on the CPU: every figure it reports is there and finite.
+
+    Long: it times the same training four ways in processes of their own (a plain loop, ampflow's loop, a plain Ray
+    Train script, ampflow through Ray Train), start-ups included, which are what it measures."""
     done, record = run_harness("orchestration", tmp_path, timeout=600)
     check_record(done, record, "orchestration", {"orchestration_throughput", "loop_throughput", "runtime_throughput",
                                                  "raytrain_throughput", "raytrain_startup"})

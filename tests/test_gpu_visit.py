@@ -39,6 +39,10 @@ def load(path: Path) -> dict:
 
 @pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_dry_run_writes_every_record_of_the_visit(tmp_path):
+    """The GPU visit's script in a dry run on the CPU writes every record the visit on a GPU writes.
+
+    Long: it runs the visit's whole script (versions, wheels, the cuda tests, the quickstart under each preset and
+    the bench harnesses), each in processes of its own, sized down for the CPU."""
     out = tmp_path / "visit"
     done = visit(out)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -44,6 +44,11 @@ def submit(head: RayHead, job: Path, workdir: Path, stderr_path: Path) -> subpro
 
 
 def test_a_signal_during_training_exits_128_plus_signum_with_one_line_and_the_run_killed(new_store, head, tmp_path):
+    """SIGINT and SIGTERM, each to a driver of its own while it trains: exit 128 + signum, one `interrupted` line
+    naming the signal and the `--resume` command, the run KILLED, and its Ray Train actors gone from the cluster.
+
+    Long: two drivers in processes of their own (one per signal, side by side), each signalled only once it has
+    written a checkpoint, then given time for its actors to leave the cluster."""
     # SIGINT and SIGTERM each to a driver of its own, both training at once (one worker each) on the test's head.
     signums = {signal.SIGINT: 130, signal.SIGTERM: 143}
     drivers = {}
@@ -105,7 +110,10 @@ def train_actors(head: RayHead) -> list[str]:
 def test_two_submits_of_one_job_at_the_same_moment_get_two_runs_of_their_own(head, tmp_path, write_job, mlflow_uri):
     """Started in the same second, each takes a run name of its own (a name from the job and the second alone
     would be the same for both), so its own run directory and record, and neither fails on the experiment the
-    other has just created."""
+    other has just created.
+
+    Long: two submits in processes of their own, started together on the test's head, both to the end of training.
+    """
     job = write_job(small_job(precision={"preset": "O0"}, scaling={"num_workers": 1},
                               run={"epochs": 1, "max_steps_per_epoch": 2},
                               tracking={"uri": mlflow_uri, "experiment": "twice"}), name="same.yaml")
@@ -158,7 +166,11 @@ def test_a_signal_while_a_rank_is_stuck_ends_the_driver_within_25_s_with_the_run
         new_store, signum, exit_code, ray_tmpdir, tmp_path):
     """A driver on a local Ray of its own, one of its two ranks stuck in forward: the signal ends it within 25 s
     with 128 + signum and one `interrupted` line, the run KILLED, every process of its Ray (workers included)
-    gone, and no second Ray session started on the way out."""
+    gone, and no second Ray session started on the way out.
+
+    Long: a Ray of the driver's own (the signal must end its processes, which a shared head would not show), two
+    ranks that must train before one hangs, then up to the 25 s the driver is given and 15 s for its processes.
+    """
     (tmp_path / "stuck_nets.py").write_text(STUCK_NETS)
     uri = new_store(tmp_path)
     job = tmp_path / "job.yaml"

@@ -48,6 +48,10 @@ def statuses(workdir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_without_an_address_a_stale_current_cluster_file_is_never_joined(stale_ray_tmpdir, tmp_path):
+    """Without an address, a `ray_current_cluster` naming a cluster long gone is never joined: submit starts a Ray
+    of its own and finishes, without a preemption watcher or a dataset manager.
+
+    Long: what is tested is that Ray's own start in Ray's temp dir, so it cannot use the tests' shared head."""
     job = tiny_job(tmp_path, "local")
     try:
         done = subprocess.run([sys.executable, "-m", "orchestrator.submit", str(job)], cwd=tmp_path,

@@ -107,6 +107,11 @@ def test_bad_input_exits_2_before_anything_reaches_the_cluster(head, tmp_path):
 
 
 def test_quickstart_runs_on_the_cluster_and_its_logs_and_exit_status_come_back(head):
+    """The quickstart as a Ray job on a cluster: its output and exit status come back, and it is tracked where the
+    cluster's MLFLOW_TRACKING_URI points.
+
+    Long: a Ray job's entrypoint is a driver process of its own on the head (torch, Ray and MLflow imported there),
+    which starts Ray Train's controller and workers; four steps are all it trains."""
     out = submit(head, "jobs/quickstart.yaml", "--address", head.address, *TINY,
                  f"checkpoint.storage_path={head.storage}")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -155,6 +160,10 @@ JOBS_DRIVER = textwrap.dedent(
 
 
 def test_no_wait_prints_the_job_id_and_jobs_status_logs_stop_manage_it(head):
+    """`--no-wait` prints the job id; `jobs status`, `logs` and `stop` manage that job from another process.
+
+    Long: the stop must land while the job trains, so the job runs a Ray job's whole start (a driver process of its
+    own, Ray Train's controller and workers) before `jobs` manages it."""
     # Long enough that the stop lands while it trains (the quickstart in fp32 ends seconds after its first step:
     # a stop after that finds a run already closed FINISHED, correctly, and the test would prove nothing).
     out = submit(head, "jobs/quickstart.yaml", "--address", head.address, "--no-wait", "precision.preset=O0",

@@ -61,6 +61,10 @@ def each_step_once(client, run_id, key) -> list[int]:
 
 def test_killed_worker_resumes_at_its_checkpoint_bit_identical_and_logs_each_step_once(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri):
+    """A rank killed mid-epoch: Ray Train restarts the attempt from the newest checkpoint, and the final model,
+    optimizer, scaler, scheduler and counters are bit-identical to a run never interrupted, each step logged once.
+
+    Long: two whole runs (the reference and the interrupted one), the second with a restart of its workers."""
     from orchestrator.cli.submit import main
 
     monkeypatch.chdir(tmp_path)
@@ -111,6 +115,11 @@ def _kill_tree_of(process: subprocess.Popen, ray_temp_dir: str) -> None:
 
 def test_driver_killed_holding_unlogged_reports_then_resumed_in_the_same_run_past_a_corrupt_checkpoint(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
+    """A driver SIGKILLed while its MLflow store is locked (it holds reports it could not log), its newest checkpoint
+    then truncated: `--resume` falls back to the previous one and finishes the same run with every step once.
+
+    Long: the driver must be a process of its own with a Ray of its own (it is killed, with its workers), and it
+    trains to step 8 before the kill; the resume then trains the rest."""
     from orchestrator.cli.submit import main
 
     job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 4, "max_steps_per_epoch": 6},

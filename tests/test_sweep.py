@@ -382,6 +382,10 @@ def test_a_grid_leaves_a_parent_a_child_per_point_and_a_table_with_every_key(ray
 
 @pytest.mark.slow
 def test_ctrl_c_closes_the_parent_and_the_running_child_killed(new_store, tmp_path):
+    """Ctrl-C to a sweep while its first child trains: exit 130, the parent run and that child KILLED, no later child.
+
+    Long: the sweep starts a Ray of its own, as a user's does (the signal must end it), and the signal must land
+    while a child trains, once its first loss is in the store."""
     import signal
 
     uri = new_store(tmp_path)

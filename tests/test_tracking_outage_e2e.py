@@ -62,6 +62,11 @@ def assert_every_step_once(client, run_id, key="amp/loss_scale"):
 
 def test_server_stopped_mid_run_and_restarted_training_goes_on_metrics_are_complete_and_no_secret_reaches_the_run(
         ray_session, tmp_path, monkeypatch, write_job, server, capsys):
+    """The tracking server stopped mid-run and restarted: training goes on, every metric reaches the run, and no
+    credential from the environment reaches it.
+
+    Long: a real MLflow server (a process of its own) is stopped, kept down across steps and started again while
+    the run trains."""
     # A token and a password from the environment, as a user passes credentials: in the job through `oc.env`.
     token, password = f"tok-{secrets.token_hex(12)}", f"pw-{secrets.token_hex(12)}"
     monkeypatch.setenv("AMPFLOW_TEST_API_TOKEN", token)
@@ -107,6 +112,10 @@ def test_server_stopped_mid_run_and_restarted_training_goes_on_metrics_are_compl
 
 def test_mlflow_down_at_start_is_a_clear_error_unless_not_required(ray_session, tmp_path, monkeypatch, write_job,
                                                                    capsys):
+    """A tracking server down at the start is exit 2 with what to do, and nothing starts; with
+    `tracking.required=false` the run trains anyway, and the server, once up, gets the run.
+
+    Long: the second case trains a whole job, the server started only after its sixth checkpoint."""
     from orchestrator.cli.submit import main
 
     monkeypatch.chdir(tmp_path)

@@ -46,6 +46,9 @@ def read_only_possible(directory) -> bool:
 
 def test_a_store_made_read_only_mid_run_is_exit_1_the_run_not_finished_and_resume_logs_what_it_lacked(
         ray_session, tmp_path, monkeypatch, write_job, capsys):
+    """A store made read-only mid-run: exit 1, the run never FINISHED, and `--resume` logs what it lacked.
+
+    Long: two runs through submit, the failing one and its resume."""
     store = tmp_path / "store"
     store.mkdir()
     if not read_only_possible(store):
