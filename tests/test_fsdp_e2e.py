@@ -36,7 +36,10 @@ def test_an_o2_fsdp_run_survives_a_killed_worker_from_its_shards_and_logs_and_ex
     with each step's metrics once, the memory each rank holds (half of the model), the audit of each layer's dtypes,
     the model read whole from the final shards, and its exports (at the end of training and by
     `orchestrator.export`). (`submit --resume` loads a sharded checkpoint as the restart does: tests/test_fsdp_loop.py
-    and tests/test_resume_checks.py.)"""
+    and tests/test_resume_checks.py.)
+
+    Long: two attempts of two FSDP workers (the second from the shards), then the model read whole and exported.
+    """
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
     from orchestrator.train.data import build_datasets
@@ -107,7 +110,10 @@ def test_the_text_example_trains_on_two_fsdp_workers_through_submit_and_logs_a_m
         ray_session, tmp_path, monkeypatch):
     """The text example (token ids and a mask batched by its collate function, bf16-mixed with fp32 embeddings) as its
     job file says, but sharded: two steps, the embeddings' rule honoured in units of their own, and the logged model
-    read whole from the shards, taking the int64 ids."""
+    read whole from the shards, taking the int64 ids.
+
+    Long: two FSDP workers in bf16 (about 10x slower than fp32 on these CPUs), then the model read whole.
+    """
     import shutil
     import sys
 

@@ -61,7 +61,10 @@ def test_the_text_classification_example_trains_through_submit_and_logs_a_model_
     """Variable-length int64 token ids through a collate function, named inputs, bf16-mixed with the embeddings
     kept fp32 by a rule, a torchmetrics F1 on 2 workers: the logged model takes the batch in its dtypes, through
     `mlflow.pytorch.load_model` and the pyfunc; the UI's summary pages are there, and a clean run's amp counters
-    are logged once, at its end."""
+    are logged once, at its end.
+
+    Long: two workers in bf16 (about 10x slower than fp32 on these CPUs), then the logged model loaded both ways.
+    """
     import mlflow
     import torch
 

@@ -114,6 +114,11 @@ def _submit_in(tmp_path, monkeypatch, capsys, write_job, module: str, job: dict)
 
 def test_model_by_import_path_is_shipped_to_the_workers_and_what_it_prints_reaches_the_console(
         tmp_path, write_job, mlflow_uri):
+    """A model by import path from the job's directory reaches the workers through the real CLI, and what it prints
+    reaches the console once, from rank 0, with no other chatter under -q.
+
+    Long: the CLI in a process of its own starts a Ray there (shipping the module is what the case is about), and
+    the model trains in bf16, about 10x slower than fp32 on these CPUs."""
     # Through the real CLI in its own directory: Ray starts there and ships the module to the workers. The model
     # prints on every training forward; run.worker_output defaults to rank0. -q: no progress, no chatter.
     printing = "if self.training:\n            print(f'forward of {x.shape[0]} samples')\n        return self.body(x)"

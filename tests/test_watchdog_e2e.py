@@ -47,6 +47,10 @@ def test_a_sigstopped_rank_fails_the_run_within_the_bound_named_as_the_rank_with
 
 def test_with_max_failures_a_stalled_attempt_restarts_from_the_newest_checkpoint_and_the_run_finishes(
         ray_session, tmp_path, monkeypatch, write_job, mlflow_uri, capsys):
+    """A rank that stalls with `failure.max_failures: 1`: the watchdog ends the attempt with every rank's stack, Ray
+    Train restarts it from the newest checkpoint, and the run finishes.
+
+    Long: the stall must last the watchdog's bound before the restart, then a second attempt of both workers trains."""
     marker = tmp_path / "stalled"  # the stall happens on the first attempt only
     rc = submit(tmp_path, monkeypatch, write_job, mlflow_uri, "restarted", failure={"max_failures": 1},
                 checkpoint={"every_n_steps": 2},
