@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 
-COMMANDS = ("submit", "sweep", "jobs", "summary", "export")
+COMMANDS = ("submit", "sweep", "jobs", "summary", "export", "tune")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

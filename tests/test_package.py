@@ -52,5 +52,5 @@ def test_the_installed_command_resolves_a_preset_from_another_directory(installe
     assert "preset: O1" in out.stdout and "compute_dtype: float16" in out.stdout, out.stdout
     listed = subprocess.run([str(venv / "bin" / "ampflow"), "--help"], cwd=cwd, capture_output=True, text=True)
     assert listed.returncode == 0
-    for command in ("submit", "sweep", "jobs", "summary", "export", "predict"):
+    for command in ("submit", "sweep", "jobs", "summary", "export", "predict", "tune"):
         assert f"  {command} " in listed.stdout

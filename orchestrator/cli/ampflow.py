@@ -13,6 +13,7 @@ COMMANDS = {
     "summary": "bytes by dtype of a model under a precision policy",
     "export": "export a run's trained model in half precision",
     "predict": "run a logged model over data in the precision it was trained or exported in",
+    "tune": "find the cheapest per-layer precision policy that keeps the model's numbers",
 }
 
 

@@ -400,6 +400,26 @@ class FailureSection:
 
 
 @dataclass
+class TuneSection:
+    target: Optional[str] = None
+    """The device the policy is planned for (`ampflow tune`): `h100`, `a100` or `cpu`, whose costs come from a model
+    (each layer's FLOPs and bytes over that device's rates); null: each layer's cost is measured on the device at
+    hand."""
+    tolerance: float = 0.05
+    """The relative error the chosen policy may add: to the model's output and to its gradients (predicted as the
+    root sum of squares of the lowered layers' errors), and to the validation run's loss against fp32."""
+    candidates: List[str] = field(default_factory=lambda: ["float16", "bfloat16"])
+    """The dtypes each layer with parameters is tried in (fp32 is always the fallback)."""
+    batches: int = 2
+    """Batches of the job's training data the probe runs (each layer and dtype is measured on all of them)."""
+    validate_steps: int = 20
+    """Optimizer steps of the validation run: the chosen policy beside fp32, from the same seed, on the same
+    batches (0: no validation)."""
+    max_rounds: int = 5
+    """How many times a failed validation may move the riskiest lowered layer up one dtype and check again."""
+
+
+@dataclass
 class JobConfig:
     model: ModelSection = field(default_factory=ModelSection)
     """What to train."""
@@ -427,6 +447,8 @@ class JobConfig:
     """How many worker failures are retried, and how long a rank may make no progress."""
     export: ExportSection = field(default_factory=ExportSection)
     """Half-precision export of the trained model for deployment."""
+    tune: TuneSection = field(default_factory=TuneSection)
+    """How `ampflow tune` chooses a per-layer precision policy for this job."""
     callbacks: List[CallbackSection] = field(default_factory=list)
     """Your own code at points of training, run on every rank (or rank 0 alone, as a callback declares), after
     the built-in hooks: `package.module:Class` or `{name: package.module:Class, kwargs: {...}}`."""

@@ -21,6 +21,8 @@ COMM_HOOKS = ("none", "fp16", "bf16")
 STRATEGIES = ("ddp", "fsdp")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 WORKER_OUTPUT = ("rank0", "all", "none")
+TUNE_TARGETS = ("h100", "a100", "cpu")
+TUNE_DTYPES = ("float16", "bfloat16")
 # A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -48,6 +50,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(every is None or every >= 1, "run.eval_every_n_steps", f"must be >= 1 or null, got {every}.")
     steps = cfg.run.max_steps_per_epoch
     r(steps is None or steps >= 1, "run.max_steps_per_epoch", f"must be >= 1 or null, got {steps}.")
+
+    _validate_tune(cfg.tune, r)
 
     lr = cfg.optim.lr
     r(0 <= cfg.task.label_smoothing < 1, "task.label_smoothing", f"must be in [0, 1), got {cfg.task.label_smoothing}.")
@@ -158,3 +162,16 @@ def _check_strategy(cfg: DictConfig, r) -> None:
     r(strategy != "fsdp" or not cfg.perf.channels_last, "perf.channels_last",
       "torch's FSDP2 shards contiguous parameters only, and channels-last convolution weights are not: with "
       "scaling.strategy fsdp set perf.channels_last: false.")
+
+
+def _validate_tune(tune, r) -> None:
+    r(tune.target is None or tune.target in TUNE_TARGETS, "tune.target",
+      f"unknown target '{tune.target}'. Use one of {', '.join(TUNE_TARGETS)}, or null to measure on this device.")
+    r(math.isfinite(tune.tolerance) and tune.tolerance > 0, "tune.tolerance",
+      f"must be a number > 0 (a relative error, e.g. 0.05), got {tune.tolerance}.")
+    unknown = [name for name in tune.candidates if name not in TUNE_DTYPES]
+    r(not unknown and len(tune.candidates) > 0, "tune.candidates",
+      f"{unknown or 'empty'}: list one or more of {', '.join(TUNE_DTYPES)}.")
+    r(tune.batches >= 1, "tune.batches", f"must be >= 1, got {tune.batches}.")
+    r(tune.validate_steps >= 0, "tune.validate_steps", f"must be >= 0, got {tune.validate_steps}.")
+    r(tune.max_rounds >= 0, "tune.max_rounds", f"must be >= 0, got {tune.max_rounds}.")

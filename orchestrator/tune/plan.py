@@ -1,0 +1,108 @@
+"""From the probe to a policy: the sensitivity table's rows, the `precision` section a choice becomes, what it is
+predicted to save, and the table and chart the tune logs."""
+
+import glob
+import math
+from typing import Any, Optional
+
+from orchestrator.tune.devices import BYTES, TARGETS, modelled_time
+from orchestrator.tune.probe import Probe
+from orchestrator.tune.search import FP32, Option, by_layer, cost, predicted_error
+
+
+def options(probe: Probe, candidates: list[str], target: Optional[str]) -> list[Option]:
+    """Every candidate layer in fp32 and in each candidate dtype: errors from the probe, costs measured on the
+    device at hand (`target` None) or modelled for `target`."""
+    device = TARGETS[target] if target is not None else None
+    rows = []
+    for name, layer in probe.layers.items():
+        timed = (lambda dtype: modelled_time(layer.work, dtype, device)) if device is not None else \
+            (lambda dtype: probe.measured_time(name, dtype))
+        rows.append(Option(name, FP32, 0.0, 0.0, timed(FP32)))
+        for dtype in candidates:
+            refused = None
+            if device is not None and not device.supports(dtype):
+                refused = f"{dtype} is not native on {target}"
+            elif dtype == "float16":
+                refused = layer.headroom.refusal
+            output_error, grad_error = probe.sensitivity(name, dtype)
+            if refused is None and not (math.isfinite(output_error) and math.isfinite(grad_error)):
+                refused = f"not finite in {dtype}"
+            rows.append(Option(name, dtype, output_error, grad_error, timed(dtype), refused))
+    return rows
+
+
+def precision_section(assignment: dict[str, str]) -> dict[str, Any]:
+    """The job's `precision` section for `assignment`: fp32 without autocast, each lowered layer stored and computed
+    in its dtype by a rule naming it exactly, with fp32 master weights for the optimizer (the loss is scaled where a
+    gradient is fp16)."""
+    lowered = {layer: dtype for layer, dtype in assignment.items() if dtype != FP32}
+    return {"preset": None, "compute_dtype": "float32", "param_dtype": "float32", "autocast": None,
+            "master_weights": bool(lowered), "keep_norm_fp32": False,
+            "rules": [{"match": glob.escape(layer), "dtype": dtype} for layer, dtype in lowered.items()]}
+
+
+def predictions(assignment: dict[str, str], rows: list[Option], probe: Probe) -> dict[str, float]:
+    """What the choice is predicted to do, over the tuned layers: the speed-up of their forward and backward, the
+    ratio of their activation bytes and of their parameter bytes (fp32 masters included) to fp32's, and the
+    predicted errors."""
+    table = by_layer(rows)
+    fp32 = {layer: FP32 for layer in assignment}
+    output_error, grad_error = predicted_error(assignment, table)
+    chosen_cost = cost(assignment, table)
+    activations = sum(probe.layers[l].work.activations * BYTES[d] for l, d in assignment.items())
+    activations_fp32 = sum(probe.layers[l].work.activations * 4 for l in assignment)
+    params = sum(probe.layers[l].work.params * (BYTES[d] + (4 if d != FP32 else 0)) for l, d in assignment.items())
+    params_fp32 = sum(probe.layers[l].work.params * 4 for l in assignment)
+    return {"predicted_speedup": cost(fp32, table) / chosen_cost if chosen_cost > 0 else 1.0,
+            "predicted_activation_bytes_ratio": activations / activations_fp32 if activations_fp32 else 1.0,
+            "predicted_param_bytes_ratio": params / params_fp32 if params_fp32 else 1.0,
+            "predicted_output_error": output_error, "predicted_grad_error": grad_error,
+            "lowered_layers": float(sum(d != FP32 for d in assignment.values()))}
+
+
+def sensitivity_table(rows: list[Option], probe: Probe, assignment: dict[str, str]) -> list[dict[str, Any]]:
+    """The table as the tune's artifact: one row per layer and dtype, with the layer's headroom and work."""
+    table = []
+    for row in rows:
+        layer = probe.layers[row.layer]
+        table.append({"layer": row.layer, "type": layer.type, "dtype": row.dtype,
+                      "output_error": row.output_error, "grad_error": row.grad_error, "cost_s": row.cost,
+                      "allowed": row.allowed, "refused": row.refused, "chosen": assignment[row.layer] == row.dtype,
+                      "flops": layer.work.flops, "params": layer.work.params,
+                      "max_abs_activation": layer.headroom.max_abs_activation,
+                      "activation_underflow": layer.headroom.activation_underflow,
+                      "max_abs_grad": layer.headroom.max_abs_grad, "grad_underflow": layer.headroom.grad_underflow})
+    return table
+
+
+def chart(table: list[dict[str, Any]]):
+    """Each layer's output error by dtype (log axis), the chosen dtype marked, refused ones hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(dict.fromkeys(row["layer"] for row in table))
+    dtypes = [d for d in dict.fromkeys(row["dtype"] for row in table) if d != FP32]
+    figure, axis = plt.subplots(figsize=(max(6.0, 0.5 * len(layers) + 2), 4))
+    width = 0.8 / max(len(dtypes), 1)
+    for index, dtype in enumerate(dtypes):
+        rows = {row["layer"]: row for row in table if row["dtype"] == dtype}
+        xs = [i + index * width for i in range(len(layers))]
+        values = [max(rows[layer]["output_error"], 1e-9) if math.isfinite(rows[layer]["output_error"]) else 1.0
+                  for layer in layers]
+        bars = axis.bar(xs, values, width, label=dtype)
+        for bar, layer in zip(bars, layers):
+            if not rows[layer]["allowed"]:
+                bar.set_hatch("//")
+            if rows[layer]["chosen"]:
+                bar.set_edgecolor("black")
+                bar.set_linewidth(2)
+    axis.set_yscale("log")
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(layers))], layers, rotation=60, ha="right", fontsize=8)
+    axis.set_ylabel("output error with the layer alone lowered")
+    axis.set_title("Per-layer sensitivity (outlined: chosen; hatched: refused)")
+    axis.legend()
+    figure.tight_layout()
+    return figure
