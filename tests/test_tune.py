@@ -72,6 +72,23 @@ def test_the_probe_finds_the_layer_without_fp16_headroom_and_each_layers_error(h
     assert probe.sensitivity("head", "float16")[0] < output_error  # fp16 keeps 3 more bits than bf16
 
 
+def test_float8_is_probed_for_linear_layers_only_emulated_where_asked_and_never_for_a_target_without_it(hot_job):
+    from orchestrator.train.models import build_model
+    from orchestrator.tune.plan import options
+
+    cfg = load_job(hot_job[0])
+    torch.manual_seed(0)
+    probe = Probe(build_model(cfg.model), tune_run.job_batches(cfg, torch.device("cpu"), 1),
+                  lambda out, y: F.cross_entropy(out.float(), y), torch.device("cpu"))
+    rows = {row.layer: row for row in options(probe, ["float8"], "h100", emulate_float8=True) if row.dtype == "float8"}
+    assert rows["conv1"].refused == rows["conv2"].refused == "float8 applies to Linear layers"
+    assert rows["head"].allowed and 0 < rows["head"].output_error < 0.2 and rows["head"].cost < float("inf")
+    plain = {row.layer: row.refused for row in options(probe, ["float8"], "h100") if row.dtype == "float8"}
+    assert plain["head"].startswith("this cpu has no float8 matmuls; tune.emulate_float8=true")
+    a100 = {row.layer: row.refused for row in options(probe, ["float8"], "a100", True) if row.dtype == "float8"}
+    assert a100["head"] == "float8 is not native on a100"
+
+
 def test_for_an_h100_the_hot_layer_stays_out_of_fp16_the_others_are_lowered_and_the_tune_is_one_run(hot_job, capsys):
     job, uri = hot_job
     assert main([str(job), "tune.target=h100", "--output", "tuned.yaml"]) == 0
@@ -110,10 +127,10 @@ def test_a_failed_validation_moves_the_riskiest_layer_up_and_checks_again(hot_jo
     it goes up a dtype at a time and the tune ends with it in fp32, the others still lowered."""
     real_options = tune_run.options
 
-    def options(probe, candidates, target):  # `head` made the riskiest layer
+    def options(*args):  # `head` made the riskiest layer
         return [row if row.layer != "head" or row.dtype == "float32" else
                 type(row)(row.layer, row.dtype, 0.3, 0.3, row.cost, row.refused)
-                for row in real_options(probe, candidates, target)]
+                for row in real_options(*args)]
 
     def losses(cfg, precision, batches, device):
         lowered = {rule["match"] for rule in precision.get("rules", [])}

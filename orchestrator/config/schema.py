@@ -157,7 +157,12 @@ class RuleSection:
     match: str = MISSING
     """Glob matched against a module's class name (`BatchNorm*`) or qualified name (`layer1.*`, `fc*`)."""
     dtype: str = MISSING
-    """What the matched layer stores its parameters in and computes in: float32, float16 or bfloat16."""
+    """What the matched layer stores its parameters in and computes in: float32, float16 or bfloat16; or float8
+    (Linear layers: fp32 parameters, matmuls in float8 through torchao's Float8Linear; needs torchao, and a GPU
+    with float8 tensor cores or the CPU's emulation)."""
+    scaling: str = "tensorwise"
+    """float8 rules: how the float8 casts are scaled, `tensorwise` (one scale per tensor; under FSDP2 the weights
+    are all-gathered in float8) or `rowwise` (one per row: closer to bf16's accuracy, a little slower)."""
 
 
 @dataclass
@@ -408,8 +413,12 @@ class TuneSection:
     tolerance: float = 0.05
     """The relative error the chosen policy may add: to the model's output and to its gradients (predicted as the
     root sum of squares of the lowered layers' errors), and to the validation run's loss against fp32."""
-    candidates: List[str] = field(default_factory=lambda: ["float16", "bfloat16"])
-    """The dtypes each layer with parameters is tried in (fp32 is always the fallback)."""
+    candidates: List[str] = field(default_factory=lambda: ["float16", "bfloat16", "float8"])
+    """The dtypes each layer with parameters is tried in (fp32 is always the fallback); float8 for Linear layers
+    only, where torchao is installed and the device has float8 matmuls (or `emulate_float8`)."""
+    emulate_float8: bool = False
+    """Probe float8 on a device without float8 matmuls (the CPU, a GPU before compute capability 8.9) through
+    emulation: its errors are float8's, its measured cost is not (plan with `target`)."""
     batches: int = 2
     """Batches of the job's training data the probe runs (each layer and dtype is measured on all of them)."""
     validate_steps: int = 20

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from orchestrator.config import names, optim
 from orchestrator.config.imports import is_import_path
 from orchestrator.errors import BadInput
+from orchestrator.precision import float8
 from orchestrator.precision.dtypes import parse_dtype
 from orchestrator.precision.policy import Policy
 
@@ -22,7 +23,7 @@ STRATEGIES = ("ddp", "fsdp")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 WORKER_OUTPUT = ("rank0", "all", "none")
 TUNE_TARGETS = ("h100", "a100", "cpu")
-TUNE_DTYPES = ("float16", "bfloat16")
+TUNE_DTYPES = ("float16", "bfloat16", "float8")
 # A run name becomes a directory under checkpoint.storage_path: no '/', no '..', nothing hidden.
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -52,6 +53,12 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(steps is None or steps >= 1, "run.max_steps_per_epoch", f"must be >= 1 or null, got {steps}.")
 
     _validate_tune(cfg.tune, r)
+    for i, rule in enumerate(cfg.precision.rules):
+        r(rule.scaling in float8.SCALINGS, f"precision.rules[{i}].scaling",
+          f"unknown scaling '{rule.scaling}'. Use one of {', '.join(float8.SCALINGS)}.")
+        if rule.dtype == float8.FLOAT8:
+            reason = float8.unavailable()
+            r(reason is None, f"precision.rules[{i}].dtype", f"{reason}.")
 
     lr = cfg.optim.lr
     r(0 <= cfg.task.label_smoothing < 1, "task.label_smoothing", f"must be in [0, 1), got {cfg.task.label_smoothing}.")

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from orchestrator.errors import BadInput
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
+from orchestrator.precision.float8 import convert_float8, float8_layers, is_float8
 from orchestrator.precision.policy import Audit, LayerPlan, Policy, apply, broken_promises, mixed_norm_kernel, plan
 
 ROOT = "(model)"
@@ -223,6 +224,7 @@ def prepare(model: nn.Module, policy: Policy, settings: FsdpSettings, device_typ
     (`orchestrator.train.fsdp.shard`), then start the audit (`FsdpAudit`)."""
     plans = plan(model, policy)
     fsdp_plan = plan_units(model, policy, plans, settings, device_type)
+    convert_float8(model, float8_layers(plans), torch.device(device_type), fsdp=True)  # before hooks and shards
     apply(model, policy, plans, device_type, cast_params=False)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -296,6 +298,7 @@ class FsdpAudit(Audit):
                 "promised_compute_dtype": _name(promised_compute),
                 "promised_output_dtype": _name(promised_out),
                 "rule": layer.rule, "autocast": self.policy.autocast,
+                "float8": is_float8(self.modules[name]), "promised_float8": layer.float8 is not None,
             })
         return entries
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from orchestrator.precision.amp import AmpSettings
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
+from orchestrator.precision.float8 import FLOAT8, is_float8
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 # Layers whose output autocast puts in the compute dtype (what the audit holds O1 to).
@@ -34,6 +35,9 @@ class Rule:
     dtype: torch.dtype
     label: Optional[str] = None
     """What the audit names as the deciding rule; the glob itself when None."""
+    float8: Optional[str] = None
+    """`dtype: float8`: the scaling of the Linear layers' float8 matmuls (`tensorwise`, `rowwise`); they store
+    their parameters in `dtype` (fp32)."""
 
     def matches(self, qualified_name: str, module: nn.Module) -> bool:
         return fnmatch.fnmatchcase(type(module).__name__, self.match) or (
@@ -54,7 +58,8 @@ class Policy:
     def from_config(cls, precision: Any) -> "Policy":
         """The whole `precision` section, each field parsed here once (BadInput naming the key)."""
         rules = tuple(
-            Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype"))
+            Rule(str(rule.match), torch.float32, float8=str(rule.get("scaling", "tensorwise")))
+            if str(rule.dtype) == FLOAT8 else Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype"))
             for i, rule in enumerate(precision.rules)
         )
         return cls(
@@ -112,6 +117,8 @@ class LayerPlan:
     has_params: bool
     type_is_autocast: bool
     """Conv or Linear: autocast runs it in the compute dtype."""
+    float8: Optional[str] = None
+    """A float8 rule names this Linear layer: its matmuls run in float8 with this scaling (`precision.float8`)."""
     keeps_neighbour_dtype: bool = False
     """A normalisation layer kept in fp32 among half layers: its kernel computes in fp32 but takes and returns
     its neighbours' half dtype (as cuDNN's BatchNorm and Apex O2), so no fp32 activations are saved around
@@ -158,6 +165,7 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
             type_is_autocast=isinstance(module, AUTOCAST_TYPES),
             keeps_neighbour_dtype=decided_by is not None and dtype == torch.float32 and isinstance(module, NORM_TYPES)
             and neighbours != torch.float32,
+            float8=rule.float8 if rule is not None else None,
         )
     return plans
 
@@ -293,6 +301,8 @@ class Audit:
                 "promised_output_dtype": dtype_name(promised_out) if promised_out is not None else None,
                 "rule": layer.rule,
                 "autocast": self.policy.autocast,
+                "float8": is_float8(module),
+                "promised_float8": layer.float8 is not None,
             })
         return entries
 
@@ -307,4 +317,7 @@ def broken_promises(entries: list[dict[str, Any]]) -> list[str]:
         if e["promised_output_dtype"] is not None and e["output_dtype"] not in (None, e["promised_output_dtype"]):
             problems.append(f"layer '{e['name']}' ({e['type']}) computed in {e['output_dtype']}, "
                             f"policy promised {e['promised_output_dtype']}" + (f" (rule {e['rule']})" if e["rule"] else ""))
+        if e.get("promised_float8") and not e.get("float8"):
+            problems.append(f"layer '{e['name']}' ({e['type']}) computed its matmuls in {e['output_dtype']}, policy "
+                            f"promised float8 (rule {e['rule']})")
     return problems

@@ -22,6 +22,7 @@ from torch import nn
 
 from orchestrator.precision.amp import autocast_context
 from orchestrator.precision.fsdp import FsdpAudit, broken_fsdp_promises
+from orchestrator.precision.float8 import convert_float8, float8_layers
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
@@ -67,6 +68,7 @@ class Precision:
         Apply before DDP wraps the model: the hooks belong on the modules themselves.
         """
         plans = plan(model, self.policy)
+        convert_float8(model, float8_layers(plans), self.device)  # before the hooks: it swaps the modules
         self.masters = MasterWeights(model, plans) if self.policy.master_weights else None
         apply(model, self.policy, plans, self.device.type)
         self.audit = Audit(model, self.policy, plans)

@@ -118,6 +118,13 @@ def lint(cfg, model: nn.Module) -> list[Finding]:
         if problem:
             findings.append(Finding(problem))
 
+    not_linear = [f"{p.name} ({p.type})" for name, p in plans.items()
+                  if p.float8 and not isinstance(model.get_submodule(name), nn.Linear)]
+    if not_linear:
+        findings.append(Finding(
+            f"precision.rules: a float8 rule matches {', '.join(not_linear[:4])}: float8 applies to Linear layers "
+            "only (torchao's Float8Linear). Fix: make the rule's match name only Linear layers."))
+
     for rule in unmatched_rules(model, policy):
         findings.append(Finding(
             f"precision.rules: '{rule.match}' matches no layer of {cfg.model.name}. Fix: match a class name "

@@ -8,7 +8,7 @@ dtypes, which the peaks give right. fp32 matrix work is counted at the plain fp3
 
 from dataclasses import dataclass
 
-BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,13 @@ class DeviceRates:
 
 
 TARGETS = {
-    # NVIDIA H100 SXM: 67 TFLOP/s fp32, 989 fp16/bf16 tensor cores, 3.35 TB/s HBM3.
-    "h100": DeviceRates("h100", matmul={"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
+    # NVIDIA H100 SXM: 67 TFLOP/s fp32, 989 fp16/bf16 and 1979 float8 tensor cores, 3.35 TB/s HBM3.
+    "h100": DeviceRates("h100", matmul={"float32": 67e12, "float16": 989e12, "bfloat16": 989e12, "float8": 1979e12},
                         elementwise={"float32": 67e12, "float16": 134e12, "bfloat16": 134e12}, bandwidth=3.35e12),
     # NVIDIA A100 SXM 80GB: 19.5 TFLOP/s fp32, 312 fp16/bf16 tensor cores, 2.04 TB/s HBM2e.
     "a100": DeviceRates("a100", matmul={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
                         elementwise={"float32": 19.5e12, "float16": 78e12, "bfloat16": 39e12}, bandwidth=2.04e12),
+    # (no float8 matmuls before compute capability 8.9)
     # A server CPU without native half precision: fp16 and bf16 are emulated, about 10x slower than fp32 (as
     # measured on such a machine: a small CNN's step 72 ms in fp32, 820 ms under bf16 autocast).
     "cpu": DeviceRates("cpu", matmul={"float32": 1e12, "float16": 0.1e12, "bfloat16": 0.1e12},
@@ -62,5 +63,7 @@ def modelled_time(work: Work, dtype: str, device: DeviceRates) -> float:
     compute = 3 * work.flops / rates[dtype]
     memory = (3 * work.activations + 3 * work.params) * size / device.bandwidth
     casts = 0.0 if dtype == "float32" else work.activations * (4 + size) / device.bandwidth
+    if dtype == "float8":  # its weights stay fp32 and are cast each step (and their gradient computed in float8)
+        casts += 2 * work.params * (4 + size) / device.bandwidth
     return max(compute, memory) + casts
 

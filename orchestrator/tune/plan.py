@@ -5,14 +5,19 @@ import glob
 import math
 from typing import Any, Optional
 
+from orchestrator.precision.float8 import FLOAT8, native, unavailable
 from orchestrator.tune.devices import BYTES, TARGETS, modelled_time
 from orchestrator.tune.probe import Probe
 from orchestrator.tune.search import FP32, Option, by_layer, cost, predicted_error
 
+HALF = ("float16", "bfloat16")
+"""The dtypes a layer stores its parameters in when lowered (float8 layers keep theirs in fp32)."""
 
-def options(probe: Probe, candidates: list[str], target: Optional[str]) -> list[Option]:
+
+def options(probe: Probe, candidates: list[str], target: Optional[str], emulate_float8: bool = False) -> list[Option]:
     """Every candidate layer in fp32 and in each candidate dtype: errors from the probe, costs measured on the
-    device at hand (`target` None) or modelled for `target`."""
+    device at hand (`target` None) or modelled for `target`. A dtype refused before measuring (float8 off a Linear
+    layer, without torchao, without float8 matmuls; not native on the target) has no errors and no cost."""
     device = TARGETS[target] if target is not None else None
     rows = []
     for name, layer in probe.layers.items():
@@ -20,16 +25,34 @@ def options(probe: Probe, candidates: list[str], target: Optional[str]) -> list[
             (lambda dtype: probe.measured_time(name, dtype))
         rows.append(Option(name, FP32, 0.0, 0.0, timed(FP32)))
         for dtype in candidates:
-            refused = None
-            if device is not None and not device.supports(dtype):
-                refused = f"{dtype} is not native on {target}"
-            elif dtype == "float16":
-                refused = layer.headroom.refusal
+            refused = _refused_before_measuring(layer, dtype, target, probe, emulate_float8)
+            if refused is not None:
+                rows.append(Option(name, dtype, math.nan, math.nan, math.inf, refused))
+                continue
             output_error, grad_error = probe.sensitivity(name, dtype)
+            if dtype == "float16":
+                refused = layer.headroom.refusal
             if refused is None and not (math.isfinite(output_error) and math.isfinite(grad_error)):
                 refused = f"not finite in {dtype}"
             rows.append(Option(name, dtype, output_error, grad_error, timed(dtype), refused))
     return rows
+
+
+def _refused_before_measuring(layer, dtype: str, target: Optional[str], probe: Probe,
+                              emulate_float8: bool) -> Optional[str]:
+    if target is not None and not TARGETS[target].supports(dtype):
+        return f"{dtype} is not native on {target}"
+    if dtype != FLOAT8:
+        return None
+    if layer.type != "Linear":
+        return "float8 applies to Linear layers"
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if not native(probe.device) and not emulate_float8:
+        return (f"this {probe.device.type} has no float8 matmuls; tune.emulate_float8=true measures float8's errors "
+                "emulated")
+    return None
 
 
 def precision_section(assignment: dict[str, str]) -> dict[str, Any]:
@@ -38,7 +61,7 @@ def precision_section(assignment: dict[str, str]) -> dict[str, Any]:
     gradient is fp16)."""
     lowered = {layer: dtype for layer, dtype in assignment.items() if dtype != FP32}
     return {"preset": None, "compute_dtype": "float32", "param_dtype": "float32", "autocast": None,
-            "master_weights": bool(lowered), "keep_norm_fp32": False,
+            "master_weights": any(dtype in HALF for dtype in lowered.values()), "keep_norm_fp32": False,
             "rules": [{"match": glob.escape(layer), "dtype": dtype} for layer, dtype in lowered.items()]}
 
 
@@ -50,9 +73,10 @@ def predictions(assignment: dict[str, str], rows: list[Option], probe: Probe) ->
     fp32 = {layer: FP32 for layer in assignment}
     output_error, grad_error = predicted_error(assignment, table)
     chosen_cost = cost(assignment, table)
-    activations = sum(probe.layers[l].work.activations * BYTES[d] for l, d in assignment.items())
+    # float8 layers keep fp32 weights (no masters) and hand their neighbours fp32 activations
+    activations = sum(probe.layers[l].work.activations * (BYTES[d] if d in HALF else 4) for l, d in assignment.items())
     activations_fp32 = sum(probe.layers[l].work.activations * 4 for l in assignment)
-    params = sum(probe.layers[l].work.params * (BYTES[d] + (4 if d != FP32 else 0)) for l, d in assignment.items())
+    params = sum(probe.layers[l].work.params * (BYTES[d] + 4 if d in HALF else 4) for l, d in assignment.items())
     params_fp32 = sum(probe.layers[l].work.params * 4 for l in assignment)
     return {"predicted_speedup": cost(fp32, table) / chosen_cost if chosen_cost > 0 else 1.0,
             "predicted_activation_bytes_ratio": activations / activations_fp32 if activations_fp32 else 1.0,

@@ -20,6 +20,7 @@ from torch import nn
 
 from orchestrator.config.schema import PrecisionSection
 from orchestrator.precision.dtypes import parse_dtype
+from orchestrator.precision.float8 import FLOAT8, convert_float8, float8_layers, float8_linear
 from orchestrator.precision.policy import NORM_TYPES, Policy, apply, plan
 from orchestrator.train.batch import Batch, tensors
 from orchestrator.tune.devices import Work
@@ -176,7 +177,9 @@ class Probe:
         """(output error, gradient error) of the model with `layer` alone in `dtype`, relative L2 against fp32."""
         lowered = copy.deepcopy(self.model)
         policy = layer_policy(layer, dtype)
-        apply(lowered, policy, plan(lowered, policy), self.device.type)
+        plans = plan(lowered, policy)
+        convert_float8(lowered, float8_layers(plans), self.device)
+        apply(lowered, policy, plans, self.device.type)
         outputs, grads = self._run(lowered)
         error = _relative(outputs, self.reference_outputs)
         grad_error = _relative([g for g in grads if g is not None], [g for g in self.reference_grads if g is not None])
@@ -187,8 +190,12 @@ class Probe:
         """Seconds of the layer's forward and backward alone in `dtype` on the device at hand, the casts of its
         input from fp32 and of its output back included (the median of as many runs as fit `budget_s`, at least 5,
         after a warm-up): CUDA events on a GPU, the wall clock elsewhere."""
-        to = parse_dtype(dtype)
-        module = copy.deepcopy(dict(self.model.named_modules())[layer]).to(to)
+        module = copy.deepcopy(dict(self.model.named_modules())[layer])
+        if dtype == FLOAT8:  # fp32 weights and inputs, cast to float8 inside
+            to, module = torch.float32, float8_linear(module)
+        else:
+            to = parse_dtype(dtype)
+            module = module.to(to)
         args, kwargs = self.layers[layer].inputs
         args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                      for a in args)

@@ -73,7 +73,7 @@ def tune(cfg, say: Callable[[str], None] = print) -> Tune:
     where = f"modelled for {settings.target}" if settings.target else f"measured on this {device.type}"
     say(f"probing {len(probe.layers)} layers in {', '.join(settings.candidates)} on {settings.batches} batch(es); "
         f"costs {where}")
-    rows = options(probe, list(settings.candidates), settings.target)
+    rows = options(probe, list(settings.candidates), settings.target, settings.emulate_float8)
     table = by_layer(rows)
     assignment, pinned = choose(rows, settings.tolerance), {}
     validations, moved = [], []
