@@ -86,3 +86,13 @@ def test_an_unknown_float8_scaling_is_refused_naming_the_key(write_job):
     with pytest.raises(BadInput, match=r"precision.rules\[0\].scaling: unknown scaling 'blockwise'"):
         load_job(write_job(small_job(precision={"rules": [{"match": "Linear", "dtype": "float8",
                                                             "scaling": "blockwise"}]})))
+
+
+def test_a_float8_job_for_the_gpus_of_a_machine_without_float8_tensor_cores_is_a_lint_error(write_job, monkeypatch):
+    cfg = load_job(write_job(small_job(scaling={"use_gpu": True},
+                                       precision={"rules": [{"match": "Linear", "dtype": "float8"}]})))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    findings = lint(cfg, build_model(cfg.model))
+    assert any("float8 rules need a GPU with float8 tensor cores" in f for f in findings), findings

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from orchestrator.precision.dtypes import dtype_name
+from orchestrator.precision.float8 import unavailable as float8_unavailable
 from orchestrator.precision.precision import bf16_unsupported
 from orchestrator.precision.policy import NORM_TYPES, Policy, plan, unmatched_rules
 from orchestrator.train.optim import build_grouped, group_labels, groups_of
@@ -115,6 +116,9 @@ def lint(cfg, model: nn.Module) -> list[Finding]:
 
     if cfg.scaling.use_gpu and torch.cuda.is_available():  # this machine's GPU; the workers check their own
         problem = bf16_unsupported(policy, torch.device("cuda"))
+        if problem:
+            findings.append(Finding(problem))
+        problem = float8_unavailable(torch.device("cuda")) if any(p.float8 for p in plans.values()) else None
         if problem:
             findings.append(Finding(problem))
 
