@@ -37,8 +37,9 @@ CASES = {
                                          "tracking.system_metrics_interval_s: must be 0 (off)"),
     "lr_negative": (small_job(optim={"lr": -0.01}), [], "optim.lr: must be a finite number >= 0"),
     "unknown_preset": (small_job(precision={"preset": "O4"}), [], "unknown preset 'O4'"),
-    "rule_bad_dtype": (small_job(precision={"rules": [{"match": "Linear", "dtype": "float8"}]}), [],
-                       "precision.rules[0].dtype: unknown dtype 'float8'"),
+    "rule_bad_dtype": (small_job(precision={"rules": [{"match": "Linear", "dtype": "float4"}]}), [],
+                       "precision.rules[0].dtype: unknown dtype 'float4'. Use one of float32, float16, bfloat16, "
+                       "float8"),
     "more_gpus_than_exist": (small_job(scaling={"use_gpu": True, "num_workers": 2}), [],
                              "asks for 2 GPU (2 workers x 1), but this machine has 0"),
     "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), [], "8192 CPU (2 workers x 4096)"),

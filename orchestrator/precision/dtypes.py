@@ -13,10 +13,13 @@ DTYPES = {
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
-def parse_dtype(name: str, where: str = "precision.compute_dtype") -> torch.dtype:
+def parse_dtype(name: str, where: str = "precision.compute_dtype", also: tuple[str, ...] = ()) -> torch.dtype:
+    """The torch dtype a job names; BadInput naming `where` and the names it takes (with `also`: more names the key
+    takes that are not torch dtypes, handled by the caller)."""
     key = _ALIASES.get(str(name), str(name))
     if key not in DTYPES:
-        raise BadInput(f"{where}: unknown dtype '{name}'. Use one of {', '.join(DTYPES)} (or fp32/fp16/bf16).")
+        raise BadInput(f"{where}: unknown dtype '{name}'. Use one of {', '.join((*DTYPES, *also))} "
+                       "(or fp32/fp16/bf16).")
     return DTYPES[key]
 
 

@@ -59,7 +59,8 @@ class Policy:
         """The whole `precision` section, each field parsed here once (BadInput naming the key)."""
         rules = tuple(
             Rule(str(rule.match), torch.float32, float8=str(rule.get("scaling", "tensorwise")))
-            if str(rule.dtype) == FLOAT8 else Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype"))
+            if str(rule.dtype) == FLOAT8 else
+            Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype", also=(FLOAT8,)))
             for i, rule in enumerate(precision.rules)
         )
         return cls(
