@@ -96,3 +96,17 @@ def test_a_float8_job_for_the_gpus_of_a_machine_without_float8_tensor_cores_is_a
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     findings = lint(cfg, build_model(cfg.model))
     assert any("float8 rules need a GPU with float8 tensor cores" in f for f in findings), findings
+
+
+@pytest.mark.slow  # two spawned gloo ranks
+def test_under_fsdp2_float8_layers_train_sharded_and_the_audit_holds_them(write_job, tmp_path):
+    from orchestrator.train.local import spawn
+
+    cfg = load_job(write_job(small_job(scaling={"num_workers": 2, "strategy": "fsdp"}, run={"max_steps_per_epoch": 3},
+                                       precision={"rules": [{"match": "Linear", "dtype": "float8"}]})))
+    reports = spawn(OmegaConf.to_container(cfg, resolve=True), world_size=2, directory=tmp_path / "run")["reports"]
+    audit = next(r.tables["precision/audit"] for r in reports if "precision/audit" in r.tables)
+    assert {e["name"]: e["float8"] for e in audit} == {"features.0": False, "features.3": False,
+                                                       "classifier.1": True, "classifier.3": True}
+    assert all(e["float8"] == e["promised_float8"] for e in audit)
+    assert math.isfinite(reports[-1].metrics["train/loss"])

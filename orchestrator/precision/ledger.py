@@ -27,8 +27,13 @@ CATEGORIES = ("params", "grads", "optimizer", "master", "activations", "weight_c
 
 
 def _held(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `tensor`: its shard of a DTensor, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """What this rank holds of `tensor`: its shard of a DTensor, else the tensor itself; the plain tensor inside a
+    wrapper subclass (torchao's float8 weights under FSDP2)."""
+    held = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    while type(held) not in (torch.Tensor, torch.nn.Parameter) and hasattr(held, "__tensor_flatten__"):
+        names, _ = held.__tensor_flatten__()
+        held = getattr(held, names[0])
+    return held
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
