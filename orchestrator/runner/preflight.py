@@ -37,7 +37,7 @@ from orchestrator.train.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.train.resume import Layout, check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
+from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32, prediction
 
 
 @dataclass
@@ -159,9 +159,10 @@ def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
                        f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
                        "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
     classes = getattr(train, "classes", None)
-    if cfg.task.loss == "cross_entropy" and classes is not None and isinstance(outputs, torch.Tensor) \
-            and outputs.dim() == 2 and outputs.shape[1] != len(classes):
-        raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
+    scores = prediction(outputs, cfg.task.output)
+    if cfg.task.loss == "cross_entropy" and classes is not None and isinstance(scores, torch.Tensor) \
+            and scores.dim() == 2 and scores.shape[1] != len(classes):
+        raise BadInput(f"model.num_classes: model {cfg.model.name} gives {scores.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
     lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
     return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe_value(outputs))
@@ -182,7 +183,7 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
     names = {"eval/loss"}
     for index, spec in enumerate(cfg.task.metrics):
         try:
-            metric = build_metric(spec)
+            metric = build_metric(spec, cfg.task.output)
         except Exception as exc:  # a torchmetrics constructor refusing its kwargs' values
             raise BadInput(f"task.metrics[{index}].kwargs: {spec.name} refuses {dict(spec.kwargs)} "
                            f"({type(exc).__name__}: {str(exc)[:300]}). Fix the metric's kwargs.") from None

@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from orchestrator.train.batch import plain
+
 logger = logging.getLogger("ampflow.tracking")
 
 PYFUNC_LOADER = Path(__file__).with_name("ampflow_pyfunc.py")
@@ -36,6 +38,9 @@ class ModelInputs:
     """Each input's dims, besides the batch dim, whose size changed between batches."""
     positional: int
     """How many of them (the first) are passed positionally; the rest by keyword (a model taking **kwargs)."""
+    output: Optional[str] = None
+    """The part of the model's outputs the pyfunc returns (`task.output`); None: `logits` where the outputs have it,
+    else the outputs."""
 
     @classmethod
     def from_example(cls, model: torch.nn.Module, example: dict[str, Any]) -> "ModelInputs":
@@ -114,8 +119,14 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
     try:
         if inputs.positional != len(inputs.names):
             raise ValueError("its forward takes inputs by keyword only")
-        mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
-                                  input_example=tuple(inputs.tensors), **common)
+        # The program returns plain tensors and dicts (a Hugging Face ModelOutput as a dict), so loading it needs
+        # no third-party import.
+        handle = pytorch_model.register_forward_hook(lambda module, args, output: plain(output))
+        try:
+            mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
+                                      input_example=tuple(inputs.tensors), **common)
+        finally:
+            handle.remove()
         used = "pt2"
     except Exception as exc:
         logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
@@ -126,7 +137,8 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
     mlflow_model.flavors.pop(mlflow.pyfunc.FLAVOR_NAME, None)
     mlflow.pyfunc.add_to_model(mlflow_model, loader_module=PYFUNC_LOADER.stem, data="data", code="code",
                                conda_env="conda.yaml", python_env="python_env.yaml",
-                               model_config={"names": inputs.names, "positional": inputs.positional})
+                               model_config={"names": inputs.names, "positional": inputs.positional,
+                                             "output": inputs.output})
     mlflow_model.save(os.path.join(path, "MLmodel"))
     if chosen is not None:
         chosen.append(used)

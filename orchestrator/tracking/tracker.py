@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ampflow.tracking")
 
+# MLflow draws a tqdm "Downloading artifacts" bar on every download (a logged model loaded, a job's config read):
+# noise on ampflow's console, which says what it loaded in words. Set it to true to have the bars back.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 
 class TrackingUnavailable(BadInput):
     """MLflow cannot be reached at the start of a job that requires it (exit 2, nothing started)."""
