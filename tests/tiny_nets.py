@@ -11,3 +11,16 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.layers(x)
+
+
+class TwoHeads(nn.Module):
+    """A multi-output model: a dict of class scores (`scores`) and an embedding, as multi-task models return."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 32), nn.ReLU())
+        self.classifier = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        embedding = self.body(x)
+        return {"scores": self.classifier(embedding), "embedding": embedding}
