@@ -132,3 +132,22 @@ def test_a_dict_output_model_exports_by_the_part_task_output_names(ray_session, 
     metrics = run.data.metrics
     assert run.data.tags["export_status"] == "logged"
     assert metrics["export/accuracy"] == pytest.approx(metrics["eval/accuracy"], abs=0.1)
+
+
+def test_a_run_failed_by_its_audit_still_logs_the_audit(ray_session, new_store, tmp_path, write_job, capsys):
+    """`PolicyNotHonoured` ends the run FAILED, naming the layer; its `precision/audit.json` is logged all the same."""
+    from orchestrator.cli.submit import main
+    from orchestrator.tracking.tracker import RunTracker
+
+    uri = new_store(tmp_path)
+    job = small_job(model={"name": "tiny_nets:Float64Output"}, precision={"preset": "O0"},
+                    scaling={"num_workers": 1}, run={"epochs": 1, "batch_size": 16, "max_steps_per_epoch": 2},
+                    tracking={"experiment": "audit", "uri": uri, "system_metrics_interval_s": 0})
+    assert main([str(write_job(job))]) == 1
+    assert "layer '(model)' (Float64Output) computed in float64, policy promised float32" in capsys.readouterr().err
+    _, run = only_run(uri, "audit")
+    assert run.info.status == "FAILED"
+    tracker = RunTracker.open(uri, run.info.run_id)
+    (entry,) = tracker.load_json("precision/audit.json")
+    assert (entry["output_dtype"], entry["promised_output_dtype"]) == ("float64", "float32")
+    assert tracker.load_json("precision/audit_summary.json")
