@@ -1,8 +1,6 @@
 """Every preset with third-party models: a container that holds parameters of its own (timm's ViT: its class token
 and position embeddings on the root) is cast by the policy, and promised what its last layer computes, so an fp32
-head under a half preset is honoured; a combination that cannot be honoured is refused before training."""
-
-import json
+head under a half preset is honoured; timm's ResNet keeps every promise too."""
 
 import pytest
 import torch
@@ -46,3 +44,17 @@ def test_a_vit_under_o1_and_bf16_mixed_keeps_every_promise():
         entries, loss, _ = one_step_audit([*VIT, f"precision.preset={preset}", HEAD_FP32])
         assert broken_promises(list(entries.values())) == [], preset
         assert entries["(model)"]["output_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("preset", ["O1", "bf16-mixed", "O2"])
+def test_a_timm_resnet_keeps_every_promise(preset):
+    """timm's ResNet by its factory: BatchNorm kept fp32 by the presets, an fp32 classifier by a rule under O2."""
+    rules = [HEAD_FP32.replace("head*", "fc")] if preset == "O2" else []
+    entries, loss, _ = one_step_audit(["model.name=timm:create_model", "model.kwargs={model_name: resnet10t}",
+                                       f"precision.preset={preset}", *rules])
+    assert broken_promises(list(entries.values())) == []
+    assert entries["bn1"]["param_dtype"] == "float32"
+    if preset == "O2":
+        assert entries["conv1.0"]["param_dtype"] == "float16"
+        assert (entries["fc"]["param_dtype"], entries["fc"]["output_dtype"]) == ("float32", "float32")
+    assert torch.isfinite(loss)
