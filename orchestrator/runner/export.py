@@ -129,7 +129,7 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
                             "in fp32 (precision.rules); a NaN was in the trained model already.")
     exported = exported.cpu()  # takes the inputs training gave the model, in their dtypes (float ones cast inside)
     inputs = replace(ModelInputs.from_example(exported, input_example(cfg, eval_set).state()),
-                     output=cfg.task.output)
+                     output=cfg.task.get("output"))  # a run logged before task.output has none
     tracker.log_model(exported, inputs, name=f"model_{result.dtype}")
     tracker.set_tag("export_status", "logged")
     return result

@@ -190,7 +190,7 @@ class BatchLayout:
         them, `labels` for a pair), except for `inference` (export, predict), which needs no loss."""
         target = None if task.target is None else str(task.target)
         labels = None
-        if task.loss == MODEL_LOSS and not inference:
+        if getattr(task, "loss", None) == MODEL_LOSS and not inference:
             labels = "labels" if target is None or target.isdigit() else target
         return cls(tuple(str(name) for name in task.inputs), target, labels)
 

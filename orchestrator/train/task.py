@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.config.imports import resolve_import_path
-from orchestrator.errors import BadInput
 from orchestrator.config.names import check_loss_name, is_torchmetrics_class, snake_case
+from orchestrator.errors import BadInput
 from orchestrator.train.batch import MODEL_LOSS, map_tensors, part
 
 Loss = Callable[[Any, Any], torch.Tensor]
@@ -73,7 +73,7 @@ def model_loss(outputs: Any, targets: Any) -> torch.Tensor:
 
 
 def build_loss(task) -> Loss:
-    name, output = task.loss, task.output
+    name, output = task.loss, getattr(task, "output", None)  # a run logged before task.output has none
     if name == MODEL_LOSS:
         return model_loss
     if name == "cross_entropy":
@@ -166,4 +166,4 @@ def build_metric(spec, output: Optional[str] = None) -> SummedMetric | TorchMetr
 
 
 def build_metrics(task) -> list[SummedMetric | TorchMetric]:
-    return [build_metric(spec, task.output) for spec in task.metrics]
+    return [build_metric(spec, getattr(task, "output", None)) for spec in task.metrics]
