@@ -58,3 +58,30 @@ def test_a_timm_resnet_keeps_every_promise(preset):
         assert entries["conv1.0"]["param_dtype"] == "float16"
         assert (entries["fc"]["param_dtype"], entries["fc"]["output_dtype"]) == ("float32", "float32")
     assert torch.isfinite(loss)
+
+
+def test_preflight_refuses_a_policy_the_model_cannot_keep_naming_the_layer(write_job):
+    """Before Ray starts: the model copied, cast and run on two samples with the workers' audit."""
+    from conftest import small_job
+    from orchestrator.errors import BadInput
+    from orchestrator.runner.preflight import check_data_fits_model
+    from orchestrator.runner.preflight_precision import check_policy_kept
+    from orchestrator.train.models import build_model
+
+    def check(job):
+        cfg = load_job(write_job(job))
+        model, first = build_model(cfg.model), []
+        check_data_fits_model(cfg, model, first)
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        try:
+            check_policy_kept(cfg, model, first[0])
+        finally:  # the job's model is left as it was: the check runs on a copy
+            assert all(torch.equal(before[k], v) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+
+    with pytest.raises(BadInput, match=r"precision: O2 cannot be kept on model.name tiny_nets:Float64Output: layer "
+                                       r"'\(model\)' \(Float64Output\) computed in float64, policy promised float16"):
+        check(small_job(model={"name": "tiny_nets:Float64Output"}, precision={"preset": "O2"}))
+    check(small_job(model={"name": "timm:create_model", "kwargs": {"model_name": "vit_tiny_patch16_224",
+                                                                   "img_size": 32, "depth": 1, "embed_dim": 32,
+                                                                   "num_heads": 2}},
+                    precision={"preset": "O2", "rules": [{"match": "head*", "dtype": "float32"}]}))
