@@ -110,3 +110,14 @@ def test_an_exported_program_takes_its_inputs_by_keyword_as_the_forward_does(ber
     with pytest.raises(TypeError, match="the model takes input_ids, attention_mask; unknown: mask; missing: "
                                         "attention_mask"):
         program(ids, mask=mask)
+
+
+def test_the_logged_signature_has_the_prediction_of_a_model_output(bert):
+    from orchestrator.tracking.logged_model import ModelInputs
+
+    ids, mask = tokens(2, 5)
+    inputs = ModelInputs.from_example(bert, {"named": {"input_ids": ids, "attention_mask": mask},
+                                             "variable": {"input_ids": [1], "attention_mask": [1]}})
+    (spec,) = inputs.signature(bert).outputs.inputs
+    assert spec.shape == (-1, 3) and str(spec.type) == "float32"
+    assert inputs.signature().outputs is None
