@@ -145,6 +145,18 @@ def exit_within(seconds: Optional[float]) -> None:
     _deadline["seconds"] = seconds
 
 
+def resume_hint_on_exit(hint: str) -> None:
+    """What to run to continue the run this process trains (`--resume`), printed however the process ends after a
+    signal: also when `exit_within`'s deadline ends it while the run is still closing. Empty: no run yet."""
+    _deadline["resume_hint"] = hint
+
+
+def was_interrupted() -> bool:
+    """Whether this process caught Ctrl-C or SIGTERM (its handlers' `Interrupted`): what fails after it (a relay
+    that went down with the workers) is part of stopping, not news."""
+    return "signum" in _caught
+
+
 def _start_deadline(signum: int) -> None:
     seconds = _deadline.get("seconds")
     if seconds is None or "timer" in _deadline:
@@ -157,8 +169,9 @@ def _start_deadline(signum: int) -> None:
 
 def _exit_now(signum: int, seconds: float) -> None:
     # Straight to file descriptor 2: the main thread may hold sys.stderr's lock (that may be what hangs).
+    hint = _deadline.get("resume_hint")
     message = (f"\ninterrupted ({signal.Signals(signum).name}): still closing {seconds:g} s after the signal; "
-               f"exiting now with {128 + signum}.\n")
+               f"exiting now with {128 + signum}.{' ' + str(hint) if hint else ''}\n")
     try:
         os.write(2, message.encode())
     except OSError:

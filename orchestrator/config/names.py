@@ -27,7 +27,8 @@ TORCHVISION_DATASETS = (*TORCHVISION_SPLIT_BY, IMAGE_FOLDER)
 
 CLASSIFICATION_LOSSES = ("cross_entropy",)
 """Losses whose outputs are class scores, so accuracy means something."""
-LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits")
+LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits", "model")
+"""Built-in losses; `model`: the loss the model returns."""
 METRICS = ("accuracy", "top5")
 """Built-in metrics: both need class scores (outputs N x classes, integer targets)."""
 

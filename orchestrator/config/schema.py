@@ -88,8 +88,10 @@ class MetricSection:
 @dataclass
 class TaskSection:
     loss: str = "cross_entropy"
-    """`cross_entropy` (classification), `mse`, `bce_with_logits`, or an import path `package.module:fn` to your
-    own `fn(outputs, targets) -> loss` (the batch mean)."""
+    """`cross_entropy` (classification), `mse`, `bce_with_logits`, `model` (the loss the model returns, its
+    outputs' `loss`: the model is given the targets as well, under `task.target`'s name or `labels`, as Hugging Face
+    models take them), or an import path `package.module:fn` to your own `fn(outputs, targets) -> loss` (the batch
+    mean)."""
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
     metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
@@ -105,6 +107,10 @@ class TaskSection:
     target: Optional[str] = None
     """The part of a batch the loss and metrics compare the outputs with (`labels`, or an index); null: batches are
     `(inputs, targets)` pairs."""
+    output: Optional[str] = None
+    """The part of the model's outputs that is its prediction, for the built-in losses and metrics, torchmetrics,
+    export and predict: a key (a dict, a Hugging Face `ModelOutput`), an attribute or an index (a tuple); null:
+    `logits` where the outputs have it, else the outputs as they are."""
 
 
 @dataclass

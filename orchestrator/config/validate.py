@@ -141,7 +141,8 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
     # Class scores: cross-entropy's outputs, or your own loss's when you evaluate accuracy on them.
     scores = cfg.task.loss in names.CLASSIFICATION_LOSSES or (
-        is_import_path(cfg.task.loss) and "accuracy" in [metric.name for metric in cfg.task.metrics])
+        (is_import_path(cfg.task.loss) or cfg.task.loss == "model")
+        and "accuracy" in [metric.name for metric in cfg.task.metrics])
     r(export_dtype is None or scores, "export.dtype",
       f"the export is checked by its accuracy drop, which needs class scores; task.loss is '{cfg.task.loss}'. "
       "Leave export.dtype null for this task (with a classification loss of your own, add 'accuracy' to "

@@ -124,13 +124,20 @@ class LayerPlan:
     """A normalisation layer kept in fp32 among half layers: its kernel computes in fp32 but takes and returns
     its neighbours' half dtype (as cuDNN's BatchNorm and Apex O2), so no fp32 activations are saved around
     it. `apply` turns it off where the device's kernel cannot mix dtypes."""
+    last_child: Optional[str] = None
+    """A container's last child (its qualified name): a container holding parameters of its own (a ViT's class
+    token and position embeddings) outputs what its last layer computes, so its promise is that layer's."""
 
-    def promised_output_dtype(self, policy: Policy, input_dtype: Optional[torch.dtype] = None
-                              ) -> Optional[torch.dtype]:
+    def promised_output_dtype(self, policy: Policy, input_dtype: Optional[torch.dtype] = None,
+                              plans: Optional[dict[str, "LayerPlan"]] = None) -> Optional[torch.dtype]:
         """The output dtype this layer is held to after a step; None where nothing is promised.
-        `input_dtype`: what the layer was given (a layer that keeps its neighbours' dtype returns it)."""
+        `input_dtype`: what the layer was given (a layer that keeps its neighbours' dtype returns it). `plans`:
+        every layer's, for a container's promise (its last layer's); without them a container promises nothing."""
         if self.keeps_neighbour_dtype:
             return input_dtype
+        if self.last_child is not None and not self.region:
+            last = (plans or {}).get(self.last_child)
+            return last.promised_output_dtype(policy, None, plans) if last is not None else None
         if self.in_region and self.has_params:
             return self.param_dtype
         if not self.has_params:
@@ -167,6 +174,8 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
             keeps_neighbour_dtype=decided_by is not None and dtype == torch.float32 and isinstance(module, NORM_TYPES)
             and neighbours != torch.float32,
             float8=rule.float8 if rule is not None else None,
+            last_child=next((f"{name}.{child}" if name else child for child, _ in reversed(
+                list(module.named_children()))), None),
         )
     return plans
 
@@ -291,7 +300,7 @@ class Audit:
             if not (layer.has_params or layer.region):
                 continue
             params = list(module.parameters(recurse=False))
-            promised_out = layer.promised_output_dtype(self.policy, self.inputs.get(name))
+            promised_out = layer.promised_output_dtype(self.policy, self.inputs.get(name), self.plans)
             out = self.outputs.get(name)
             entries.append({
                 "name": layer.name,

@@ -30,7 +30,15 @@ from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome,
 
 
 class PolicyNotHonoured(RuntimeError):
-    """A layer did not store or compute in the dtype its precision rule promised."""
+    """A layer did not store or compute in the dtype its precision rule promised. `entries`: the audit (one per
+    layer), which the failed run logs as `precision/audit.json` all the same."""
+
+    def __init__(self, message: str, entries: Optional[list[dict[str, Any]]] = None):
+        super().__init__(message)
+        self.entries = entries
+
+    def __reduce__(self):  # crosses from the worker to the driver with its entries
+        return type(self), (str(self), self.entries)
 
 
 def bf16_unsupported(policy: Policy, device: torch.device) -> Optional[str]:
@@ -147,7 +155,7 @@ class Precision:
         entries = audit.close()
         problems = broken_fsdp_promises(entries) if isinstance(audit, FsdpAudit) else broken_promises(entries)
         if problems:
-            raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
+            raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems), entries)
         return entries
 
     # -- state --------------------------------------------------------------------------------------

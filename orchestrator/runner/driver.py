@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator import console
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.errors import EXIT_FAILED, Interrupted
+from orchestrator.errors import EXIT_FAILED, Interrupted, resume_hint_on_exit
 from orchestrator.runner.preflight import RunChoice, check_cluster_capacity
 from orchestrator.runner import records, stalls
 from orchestrator.runner.outcome import RunResult, failed, finished
@@ -197,8 +197,13 @@ def execute(plan: RunPlan) -> int:
 
 
 def _execute_and_end(plan: RunPlan, end: "RunEnd") -> int:
+    hint = (f"Run {plan.run_name} closed KILLED; continue it from its last checkpoint with: "
+            f"python -m orchestrator.submit {plan.job_path} --resume")
+    resume_hint_on_exit(hint)  # printed too if the command's deadline ends it while the run is closing
     try:
-        return _execute(plan, end)
+        code = _execute(plan, end)
+        resume_hint_on_exit("")  # the run ended on its own: nothing to resume after a late signal
+        return code
     except BaseException as exc:
         # SystemExit: SIGTERM while ray.init's own handler was installed (it exits with the signal's number).
         interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
@@ -206,9 +211,8 @@ def _execute_and_end(plan: RunPlan, end: "RunEnd") -> int:
             plan.ray.stop_training()  # the workers go now, stuck or not
         end.close("KILLED" if interrupted else "FAILED", timeout_s=CLOSE_ON_INTERRUPT_S if interrupted else 10)
         if interrupted:
-            hint = (f"Run {plan.run_name} closed KILLED; continue it from its last checkpoint with: "
-                    f"python -m orchestrator.submit {plan.job_path} --resume")
             raise Interrupted(Interrupted.of(exc).signum, resume_hint=hint) from None
+        resume_hint_on_exit("")
         raise
     finally:
         if plan.ray is not None:  # after the run is closed: its writer no longer calls Ray

@@ -25,6 +25,7 @@ from orchestrator.train.batch import Batches, BatchLayout, InputExample
 from orchestrator.train.data import build_datasets, collate_fn
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import eval_mode
+from orchestrator.train.task import SummedMetric, build_metrics, fp32
 
 EXPORT_DTYPES = ("float16", "bfloat16")
 
@@ -63,9 +64,10 @@ def cast_for_inference(model: nn.Module, precision_cfg, dtype: torch.dtype) -> n
 
 
 def eval_batches(cfg, dataset, batch_size: int = 256) -> Batches:
-    """The eval set in `Batch`es, collated and read as training reads them (`data.collate`, `task.inputs`)."""
+    """The eval set in `Batch`es, collated and read as training reads them (`data.collate`, `task.inputs`); the
+    model is not given the targets (an inference needs no loss)."""
     return Batches(DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn(cfg.data, dataset)),
-                   BatchLayout.from_task(cfg.task))
+                   BatchLayout.from_task(cfg.task, inference=True))
 
 
 def input_example(cfg, dataset, batches: int = 16) -> InputExample:
@@ -78,16 +80,29 @@ def input_example(cfg, dataset, batches: int = 16) -> InputExample:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, batches, device: torch.device) -> float:
-    """Top-1 accuracy in eval mode, every input in its own dtype; the model's own modes are restored afterwards."""
-    correct = total = 0
+def accuracy(model: nn.Module, batches, device: torch.device, task) -> float:
+    """The job's own metric that checks the export (`accuracy` when the job evaluates it, else its first metric's
+    first value) over `batches`, in eval mode, every input in its own dtype; the model's own modes are restored
+    afterwards."""
+    metrics = build_metrics(task)
+    for metric in metrics:
+        metric.reset(device)
     with eval_mode(model.to(device)):
         for batch in batches:
             batch = batch.to(device)
-            logits = batch.forward(model)
-            correct += int((logits.float().argmax(dim=1) == batch.targets).sum())
-            total += batch.size
-    return correct / max(total, 1)
+            outputs = fp32(batch.forward(model))
+            for metric in metrics:
+                metric.update(outputs, batch.targets)
+    values: dict[str, float] = {}
+    for metric in metrics:
+        if isinstance(metric, SummedMetric):
+            values.update({name: float(total) / max(float(count), 1.0)
+                           for name, (total, count) in sorted(metric.sums.items())})
+        else:
+            values.update(metric.compute())
+    if not values:
+        raise BadInput("export: the job's task.metrics give no value to check the export by; add 'accuracy'.")
+    return values.get("accuracy", next(iter(values.values())))
 
 
 def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> ExportResult:
@@ -96,8 +111,8 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     exported = cast_for_inference(model, cfg.precision, dtype)
-    result = ExportResult(dtype_name(dtype), accuracy(model, eval_batches(cfg, eval_set), device),
-                          accuracy(exported, eval_batches(cfg, eval_set), device))
+    result = ExportResult(dtype_name(dtype), accuracy(model, eval_batches(cfg, eval_set), device, cfg.task),
+                          accuracy(exported, eval_batches(cfg, eval_set), device, cfg.task))
     tracker.log_metrics(result.metrics())
     drop = -result.accuracy_delta
     if drop > max_drop:
@@ -113,7 +128,8 @@ def export(model: nn.Module, cfg, dtype_text: str, tracker, max_drop: float) -> 
                             "A weight beyond float16's range (65504) overflows: export to bfloat16 or keep that layer "
                             "in fp32 (precision.rules); a NaN was in the trained model already.")
     exported = exported.cpu()  # takes the inputs training gave the model, in their dtypes (float ones cast inside)
-    inputs = ModelInputs.from_example(exported, input_example(cfg, eval_set).state())
+    inputs = replace(ModelInputs.from_example(exported, input_example(cfg, eval_set).state()),
+                     output=cfg.task.get("output"))  # a run logged before task.output has none
     tracker.log_model(exported, inputs, name=f"model_{result.dtype}")
     tracker.set_tag("export_status", "logged")
     return result

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
+from orchestrator.precision import PolicyNotHonoured
 from orchestrator.runner import outputs, stalls
 from orchestrator.runner.checkpoints import newest_finite, remove_unfinished
 from orchestrator.runner.run_end import RunEnd
 from orchestrator.tracking.secrets import redact
+from orchestrator.tracking.tables import audit_summary, audit_summary_html
 from orchestrator.tracking.tracker import view_hint
 from orchestrator.train.checkpoint import CheckpointWriteError
 from orchestrator.train.report import Report
@@ -79,6 +81,7 @@ def failed(plan: "RunPlan", end: RunEnd, failure, stalled: Sequence["stalls.Stal
         remove_unfinished(plan.cfg.checkpoint.storage_path, plan.run_name)
     stalls.log_and_print(list(stalled), tracker, failed_by_last=stall is not None)
     if tracker is not None:
+        log_failed_audit(failure, tracker)
         tracker.log_plots(plan.cfg.precision.preset)
     end.close("FAILED")
     print(f"\ntraining failed: {cause}", file=sys.stderr)
@@ -86,6 +89,21 @@ def failed(plan: "RunPlan", end: RunEnd, failure, stalled: Sequence["stalls.Stal
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
           f"{resume_hint(plan)}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def log_failed_audit(failure, tracker) -> None:
+    """A run failed by its precision audit (`PolicyNotHonoured`) logs that audit, `precision/audit.json` and its
+    summary, as a run that passed it does: what each layer stored and computed in shows which rule to add."""
+    causes = (getattr(failure, "worker_failures", None) or {}).values()
+    entries = next((cause.entries for cause in causes if isinstance(cause, PolicyNotHonoured) and cause.entries),
+                   None)
+    if entries:
+        try:
+            tracker.log_dict(entries, "precision/audit.json")
+            tracker.log_dict(audit_summary(entries), "precision/audit_summary.json")
+            tracker.log_text(audit_summary_html(entries), "precision/audit_summary.html")
+        except Exception as exc:  # the run is ending FAILED either way; say what was not logged
+            print(f"warning: the failed audit could not be logged ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def checkpoint_write_failed(failure) -> bool:

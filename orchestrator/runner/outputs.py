@@ -49,6 +49,7 @@ def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequ
             inputs = ModelInputs.from_shape(state.sample_shape)
         else:
             raise ValueError("its checkpoint does not record the inputs (written by an older version)")
+        inputs.output = cfg.task.output
         model_format = tracker.log_model(model, inputs, code_paths=[str(source) for source in module_sources] or None)
         tracker.set_tag("model_format", model_format)
         return f"runs:/{tracker.run_id}/model"

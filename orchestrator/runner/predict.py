@@ -6,14 +6,16 @@ or final checkpoint's weights); a model URI names any (`runs:/RUN_ID/model_bfloa
 only (`orchestrator.tracking.model_files`); a model logged pickled, because it did not export to pt2, is
 refused, as export refuses it.
 
-It runs in the precision it was trained or exported in:
+It runs in the precision it was trained or exported in, and returns the model's prediction: of several outputs (a
+dict, a Hugging Face `ModelOutput`) the one the run's `task.output` names, else `logits`.
 - the fp32 `model` as trained: the job's model (the run's `config/job.yaml`) given the logged weights, cast by
   the run's precision policy (per-layer dtypes, the layers promoted at run time) and run under its autocast, in
   eval mode, as the run's evaluation ran it;
 - an export (`model_float16`, `model_bfloat16`) as exported: its dtypes are in the program.
 
 `data`: one batch (a tensor, or a dict of tensors given to the model as keyword arguments), or a dataset: the
-run's own eval split (`"eval"`, built from its `data` section), a map-style dataset, or an iterable of batches;
+run's own eval split (`"eval"`, built from its `data` section and batched as its evaluation was: `data.collate`,
+`task.inputs`), a map-style dataset, or an iterable of batches;
 a dataset's `(inputs, target)` items give their inputs. The outputs come back on the CPU, in the dtype the
 model computed them in, a dataset's concatenated in its order.
 """
@@ -32,11 +34,14 @@ from torch.utils.data import DataLoader
 from orchestrator.errors import BadInput
 from orchestrator.precision import Policy, apply, autocast_context, plan
 from orchestrator.precision.precision import bf16_unsupported
+from orchestrator.runner.export import eval_batches
 from orchestrator.tracking.model_files import load_pt2_model
 from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tracker import RunTracker, resolve_uri
+from orchestrator.train.batch import Batch, plain
 from orchestrator.train.data import build_datasets
 from orchestrator.train.models import build_model
+from orchestrator.train.task import prediction
 
 TRAINED_MODEL = "model"
 """The name a run logs its fp32 model under; an export is `model_<dtype>`."""
@@ -56,13 +61,22 @@ class Predictor:
     describe: str
     """What runs, in words: the model and its precision."""
 
+    @property
+    def output(self) -> Optional[str]:
+        """The part of the outputs that is the prediction (the run's `task.output`; None: `logits` or all)."""
+        return self.cfg.task.get("output") if self.cfg is not None else None
+
     @torch.no_grad()
     def __call__(self, inputs: Any) -> Any:
-        """The model's outputs for one batch of inputs, on the CPU."""
-        inputs = _to(inputs, self.device)
+        """The model's prediction for one batch of inputs (a tensor, or a dict of named inputs), on the CPU."""
+        return self._predict(Batch(kwargs=dict(inputs)) if isinstance(inputs, Mapping) else Batch(args=(inputs,)))
+
+    @torch.no_grad()
+    def _predict(self, batch: Batch) -> Any:
+        batch = batch.to(self.device)
         with self.autocast():
-            outputs = self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
-        return _to(outputs, torch.device("cpu"))
+            outputs = batch.forward(self.model)
+        return _to(prediction(plain(outputs), self.output), torch.device("cpu"))
 
     def over(self, data: Any, batch_size: int = 256) -> Any:
         """The outputs for `data`: one batch, or every batch of a dataset concatenated in order."""
@@ -73,7 +87,12 @@ class Predictor:
             if self.cfg is None:
                 raise BadInput("data: 'eval' is the run's eval split, and this model comes from no run of ampflow; "
                                "give a dataset or a batch.")
-            data = build_datasets(self.cfg.data, self.cfg.model.num_classes)[1]
+            dataset = build_datasets(self.cfg.data, self.cfg.model.num_classes)[1]
+            # batched, collated and read as the run's evaluation read them (data.collate, task.inputs)
+            outputs = [self._predict(batch) for batch in eval_batches(self.cfg, dataset, batch_size)]
+            if not outputs:
+                raise BadInput("data: the run's eval split is empty.")
+            return _concat(outputs)
         if isinstance(data, (torch.Tensor, Mapping)):
             return self(data)
         if isinstance(data, (tuple, list)) and any(isinstance(item, torch.Tensor) for item in data):

@@ -33,11 +33,12 @@ from orchestrator.train.batch import BatchLayout, describe as describe_value
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
 from orchestrator.train.lint import lint
 from orchestrator.train.models import build_model
+from orchestrator.runner.preflight_precision import check_policy_kept
 from orchestrator.train.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.train.resume import Layout, check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
+from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32, prediction
 
 
 @dataclass
@@ -77,6 +78,7 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     lineage: dict[str, list] = {}  # the data's lineage per distinct data section
     evaluated: dict[str, set[str]] = {}  # the eval/... metrics each distinct model, data and task logs
     warned: set[str] = set()  # optimizer warnings printed already (a sweep's points usually share them)
+    firsts: dict[str, list] = {}  # the first training batch each distinct model, data and task section gives
     for cfg in configs:
         what = repr((cfg.model, cfg.data, cfg.task))
         if what not in built:
@@ -84,11 +86,14 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
                 ensure_available(cfg.data)
             built[what] = build_model(cfg.model)  # a broken model fails here, before Ray starts
             if not to_job_server:
-                lineage[repr(cfg.data)], evaluated[what] = check_data_fits_model(cfg, built[what])
+                lineage[repr(cfg.data)], evaluated[what] = check_data_fits_model(cfg, built[what],
+                                                                                 firsts.setdefault(what, []))
         if what in evaluated:
             check_metric_names(cfg, evaluated[what])
         check_optimizer(cfg, built[what], warned)
         check_lint(cfg, built[what])
+        if firsts.get(what):  # the policy kept on two samples, as the workers' audit will hold it
+            check_policy_kept(cfg, built[what], firsts[what][0])
         check_plan(cfg, built[what])  # scaling.strategy fsdp: the units and their policies can be planned
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
@@ -130,13 +135,14 @@ def first_batch(cfg: DictConfig, dataset, split: str):
     return BatchLayout.from_task(cfg.task).batch(raw)
 
 
-def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
+def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) -> tuple[list, set[str]]:
     """Two samples of the training set, collated as the loaders collate them, through the model, the loss and the
     metrics on the CPU, every input in its own dtype (int64 token ids stay int64): a model that cannot take the
     batch, or whose outputs do not match the number of classes the data has, is refused naming both; so is a
     loss or metric that fails on them, a collate function that fails, a `task.inputs` part the batch lacks, and
     data `data.loader: device` cannot hold. Returns the data's lineage (`describe_data`) and the names of the
-    metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return)."""
+    metrics an evaluation logs (`eval/loss`, `eval/<name>` for each name the metrics return); `first`: the first
+    training `Batch` is appended to it (for `check_policy_kept`)."""
     train, evaluation = build_datasets(cfg.data, cfg.model.num_classes)
     if len(train) == 0:
         raise BadInput(f"data.name: {cfg.data.name} has an empty training set.")
@@ -147,6 +153,8 @@ def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
                 raise BadInput(f"data.loader: device holds (inputs, targets) tensors on the device; data.name "
                                f"{cfg.data.name}'s {split} set is {refusal}. Use data.loader: dataloader.")
     batch = first_batch(cfg, train, "training")
+    if first is not None:
+        first.append(batch)
     eval_batch = first_batch(cfg, evaluation, "eval") if len(evaluation) else None
     single = batch.args[0] if len(batch.args) == 1 and not batch.kwargs else None
     given = (f"samples of shape {'x'.join(str(d) for d in single.shape[1:])}" if isinstance(single, torch.Tensor)
@@ -159,9 +167,10 @@ def check_data_fits_model(cfg: DictConfig, model) -> tuple[list, set[str]]:
                        f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
                        "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
     classes = getattr(train, "classes", None)
-    if cfg.task.loss == "cross_entropy" and classes is not None and isinstance(outputs, torch.Tensor) \
-            and outputs.dim() == 2 and outputs.shape[1] != len(classes):
-        raise BadInput(f"model.num_classes: model {cfg.model.name} gives {outputs.shape[1]} class scores, but "
+    scores = prediction(outputs, cfg.task.output)
+    if cfg.task.loss == "cross_entropy" and classes is not None and isinstance(scores, torch.Tensor) \
+            and scores.dim() == 2 and scores.shape[1] != len(classes):
+        raise BadInput(f"model.num_classes: model {cfg.model.name} gives {scores.shape[1]} class scores, but "
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
     lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
     return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe_value(outputs))
@@ -182,7 +191,7 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
     names = {"eval/loss"}
     for index, spec in enumerate(cfg.task.metrics):
         try:
-            metric = build_metric(spec)
+            metric = build_metric(spec, cfg.task.output)
         except Exception as exc:  # a torchmetrics constructor refusing its kwargs' values
             raise BadInput(f"task.metrics[{index}].kwargs: {spec.name} refuses {dict(spec.kwargs)} "
                            f"({type(exc).__name__}: {str(exc)[:300]}). Fix the metric's kwargs.") from None

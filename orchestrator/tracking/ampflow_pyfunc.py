@@ -2,7 +2,8 @@
 
 `mlflow.pyfunc.load_model(uri).predict(data)` takes one array (a model of one input) or a dict of named arrays
 (`{"input_ids": int64, "attention_mask": bool}`), each in the dtype of the model's signature, and returns the
-model's output as a numpy array. The model itself is loaded by `mlflow.pytorch.load_model`: a pt2 program, or a
+model's prediction as a numpy array: its output, or of several outputs (a dict) the one the job's `task.output`
+names, else `logits`. The model itself is loaded by `mlflow.pytorch.load_model`: a pt2 program, or a
 pickled module only where MLflow allows unpickling.
 """
 
@@ -15,8 +16,8 @@ import torch
 
 
 class _Model:
-    def __init__(self, model: Any, names: list, positional: int):
-        self.model, self.names, self.positional = model, list(names), int(positional)
+    def __init__(self, model: Any, names: list, positional: int, output: Optional[str] = None):
+        self.model, self.names, self.positional, self.output = model, list(names), int(positional), output
 
     def predict(self, data: Any, params: Optional[dict] = None) -> Any:
         if isinstance(data, dict):
@@ -32,12 +33,21 @@ class _Model:
         with torch.no_grad():
             outputs = self.model(*tensors[:self.positional],
                                  **dict(zip(self.names[self.positional:], tensors[self.positional:])))
+        outputs = self._prediction(outputs)
         if isinstance(outputs, torch.Tensor):
             return outputs.detach().float().cpu().numpy()
+        return outputs
+
+    def _prediction(self, outputs: Any) -> Any:
+        if self.output is not None:
+            return outputs[int(self.output)] if isinstance(outputs, (tuple, list)) else outputs[self.output]
+        if isinstance(outputs, dict) and "logits" in outputs:
+            return outputs["logits"]
         return outputs
 
 
 def _load_pyfunc(path: str, model_config: Optional[dict] = None) -> _Model:
     config = model_config or {}
     model = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)), map_location="cpu")
-    return _Model(model, config.get("names", []), config.get("positional", len(config.get("names", []))))
+    return _Model(model, config.get("names", []), config.get("positional", len(config.get("names", []))),
+                  config.get("output"))

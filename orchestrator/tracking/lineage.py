@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from orchestrator.config.imports import is_import_path
+from orchestrator.train.batch import tensors
 
 DIGEST_SAMPLES = 32
 """How many samples (the first ones) the digest reads."""
@@ -36,8 +37,9 @@ class DatasetLineage:
     source: str
     """MLflow's JSON source: {"uri": directory} for files, {"tags": {...}} for code."""
     num_samples: int
-    input_shape: list[int]
-    """The first input's shape, without the batch dim."""
+    input_shape: list
+    """The first input's shape, without the batch dim; a dim whose size differs from sample to sample (a
+    sentence's length) is `"variable"`."""
     input_dtype: str
     target_shape: list[int]
     target_dtype: Optional[str]
@@ -97,6 +99,15 @@ def _parts(first_sample: Any, batch: Any) -> tuple[tuple, list[int], Optional[st
     return ((None, _dtype(value), list(value.shape)),), list(target.shape), _dtype(target)
 
 
+def _mark_variable(shape: list[int], sample_shapes: list) -> list:
+    """`shape` (a batch's input, padded) with `"variable"` for each dim whose size differs between the samples'
+    first tensors (`sample_shapes`, each without a batch dim)."""
+    known = [s for s in sample_shapes if s is not None]
+    if len(known) < 2 or any(len(s) != len(shape) for s in known):
+        return list(shape)
+    return ["variable" if len({s[d] for s in known}) > 1 else size for d, size in enumerate(shape)]
+
+
 def describe(data_cfg, datasets: Sequence[tuple[str, Any]], batches: Sequence[Any] = ()) -> list[DatasetLineage]:
     """The lineage of each (context, dataset) pair of the job's data section; `batches`: a first `Batch` of each
     (or None), whose inputs give the dtypes and shapes."""
@@ -104,16 +115,18 @@ def describe(data_cfg, datasets: Sequence[tuple[str, Any]], batches: Sequence[An
     described = []
     for position, (context, dataset) in enumerate(datasets):
         digest = hashlib.sha256(f"{data_cfg.name}:{len(dataset)}".encode())
-        first = None
+        first, shapes = None, []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # a random augmentation reads the same every time
             for index in range(min(DIGEST_SAMPLES, len(dataset))):
                 sample = dataset[index]
                 first = sample if first is None else first
                 _digest_update(digest, sample)
+                shapes.append(next((tuple(t.shape) for t in tensors(sample)), None))
         batch = batches[position] if position < len(batches) else None
         inputs, target_shape, target_dtype = _parts(first, batch) if first is not None or batch else ((), [], None)
         _, input_dtype, input_shape = inputs[0] if inputs else (None, "float32", [])
+        input_shape = _mark_variable(input_shape, shapes)
         described.append(DatasetLineage(
             name=data_cfg.name, context=context, digest=digest.hexdigest()[:8], source_type=source_type,
             source=source, num_samples=len(dataset), input_shape=input_shape, input_dtype=input_dtype,

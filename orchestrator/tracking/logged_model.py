@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from orchestrator.train.batch import plain
+
 logger = logging.getLogger("ampflow.tracking")
 
 PYFUNC_LOADER = Path(__file__).with_name("ampflow_pyfunc.py")
@@ -36,6 +38,9 @@ class ModelInputs:
     """Each input's dims, besides the batch dim, whose size changed between batches."""
     positional: int
     """How many of them (the first) are passed positionally; the rest by keyword (a model taking **kwargs)."""
+    output: Optional[str] = None
+    """The part of the model's outputs the pyfunc returns (`task.output`); None: `logits` where the outputs have it,
+    else the outputs."""
 
     @classmethod
     def from_example(cls, model: torch.nn.Module, example: dict[str, Any]) -> "ModelInputs":
@@ -72,7 +77,9 @@ class ModelInputs:
         """One positional input: the signature is one unnamed tensor and the example one array."""
         return len(self.names) == 1 and self.positional == 1
 
-    def signature(self):
+    def signature(self, model: Optional[torch.nn.Module] = None):
+        """The inputs' schema; with `model`, also its prediction's (`output`, else `logits`, else its output when
+        that is one tensor), from a forward pass on the example (none where that fails)."""
         # mlflow: seconds to import; runner.export imports this module with the driver, whose bad input exits first
         from mlflow.models import ModelSignature
         from mlflow.types import Schema, TensorSpec
@@ -81,7 +88,23 @@ class ModelInputs:
         for name, tensor, variable in zip(self.names, self.tensors, self.variable):
             shape = tuple(-1 if d == 0 or d in variable else size for d, size in enumerate(tensor.shape))
             specs.append(TensorSpec(_numpy(tensor).dtype, shape, None if self.single else name))
-        return ModelSignature(inputs=Schema(specs))
+        predicted = self._prediction(model) if model is not None else None
+        outputs = None
+        if isinstance(predicted, torch.Tensor) and predicted.dim() > 0:
+            outputs = Schema([TensorSpec(_numpy(predicted[:1]).dtype, (-1, *predicted.shape[1:]))])
+        return ModelSignature(inputs=Schema(specs), outputs=outputs)
+
+    def _prediction(self, model: torch.nn.Module) -> Any:
+        from orchestrator.train.modes import eval_mode
+        from orchestrator.train.task import prediction
+
+        try:
+            with torch.no_grad(), eval_mode(model):  # the model's own modes are kept; no statistic moves
+                outputs = model(*self.tensors[:self.positional],
+                                **dict(zip(self.names[self.positional:], self.tensors[self.positional:])))
+            return prediction(plain(outputs), self.output)
+        except Exception:  # a signature without outputs: the model is logged all the same
+            return None
 
     def example(self):
         """The input example as MLflow keeps it: one array, or a dict of named arrays."""
@@ -109,13 +132,20 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
     import mlflow.pytorch
     from mlflow.models.utils import _save_example
 
-    common = dict(mlflow_model=mlflow_model, signature=inputs.signature(), pip_requirements=pip_requirements,
+    common = dict(mlflow_model=mlflow_model, signature=inputs.signature(pytorch_model),
+                  pip_requirements=pip_requirements,
                   code_paths=[*(code_paths or []), str(PYFUNC_LOADER)])
     try:
         if inputs.positional != len(inputs.names):
             raise ValueError("its forward takes inputs by keyword only")
-        mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
-                                  input_example=tuple(inputs.tensors), **common)
+        # The program returns plain tensors and dicts (a Hugging Face ModelOutput as a dict), so loading it needs
+        # no third-party import.
+        handle = pytorch_model.register_forward_hook(lambda module, args, output: plain(output))
+        try:
+            mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
+                                      input_example=tuple(inputs.tensors), **common)
+        finally:
+            handle.remove()
         used = "pt2"
     except Exception as exc:
         logger.warning("ampflow: model does not export to pt2 (%s); logging it pickled.", exc)
@@ -126,7 +156,8 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
     mlflow_model.flavors.pop(mlflow.pyfunc.FLAVOR_NAME, None)
     mlflow.pyfunc.add_to_model(mlflow_model, loader_module=PYFUNC_LOADER.stem, data="data", code="code",
                                conda_env="conda.yaml", python_env="python_env.yaml",
-                               model_config={"names": inputs.names, "positional": inputs.positional})
+                               model_config={"names": inputs.names, "positional": inputs.positional,
+                                             "output": inputs.output})
     mlflow_model.save(os.path.join(path, "MLmodel"))
     if chosen is not None:
         chosen.append(used)

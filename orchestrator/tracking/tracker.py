@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ampflow.tracking")
 
+# MLflow draws a tqdm "Downloading artifacts" bar on every download (a logged model loaded, a job's config read):
+# noise on ampflow's console, which says what it loaded in words. Set it to true to have the bars back.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 
 class TrackingUnavailable(BadInput):
     """MLflow cannot be reached at the start of a job that requires it (exit 2, nothing started)."""
@@ -356,9 +360,14 @@ class RunTracker:
         mlflow.set_tracking_uri(self.uri)
         requirements = [f"torch=={torch.__version__.split('+')[0]}",
                         f"torchvision=={torchvision.__version__.split('+')[0]}"]
-        with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
-            warnings.simplefilter("ignore")  # signature inference chatter
-            return logged_model.log_model(model, inputs, name, code_paths, requirements)
+        ended = self._client.get_run(self.run_id).info
+        try:
+            with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
+                warnings.simplefilter("ignore")  # signature inference chatter
+                return logged_model.log_model(model, inputs, name, code_paths, requirements)
+        finally:
+            if ended.end_time:  # a finished run's export: MLflow's end_run would make now its end, not training's
+                self._client.set_terminated(self.run_id, status=ended.status, end_time=ended.end_time)
 
     # -- reading ----------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from orchestrator.errors import was_interrupted
 from orchestrator.tracking.refusals import Refusals, describe
 from orchestrator.tracking.tables import RENDERED
 from orchestrator.train.report import Report
@@ -126,7 +127,8 @@ class MlflowWriter:
             try:
                 self._drain()
             except Exception as exc:  # the relay is on this machine; a hiccup here must not kill the thread
-                logger.warning("ampflow: could not read reports from the relay (%s).", exc)
+                if not was_interrupted():  # after Ctrl-C or SIGTERM the relay goes down with the workers
+                    logger.warning("ampflow: could not read reports from the relay (%s).", exc)
             self._flush()
             self._tell_logged()
 

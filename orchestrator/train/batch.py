@@ -17,12 +17,18 @@ import torch
 
 from orchestrator.errors import BadInput
 
+MODEL_LOSS = "model"
+"""`task.loss: model`: the loss is the one the model returns (its outputs' `loss`), given the targets."""
+
 
 def map_tensors(function: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     """`value` with `function` applied to every tensor in it (nested dicts, lists, tuples, named tuples,
     dataclasses); anything else kept as it is."""
     if isinstance(value, torch.Tensor):
         return function(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # before Mapping: a Hugging Face ModelOutput
+        return dataclasses.replace(value, **{f.name: map_tensors(function, getattr(value, f.name))
+                                            for f in dataclasses.fields(value) if f.init})
     if isinstance(value, Mapping):
         items = {key: map_tensors(function, item) for key, item in value.items()}
         return items if type(value) is dict else type(value)(items)
@@ -30,9 +36,22 @@ def map_tensors(function: Callable[[torch.Tensor], torch.Tensor], value: Any) ->
         return type(value)(*(map_tensors(function, item) for item in value))
     if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(function, item) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: map_tensors(function, getattr(value, f.name))
-                                            for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def plain(value: Any) -> Any:
+    """`value` in types any loader knows: a mapping or a dataclass (a Hugging Face `ModelOutput`) as a dict of its
+    parts that are not None, a named tuple as a tuple, nested; tensors as they are. What the logged and exported
+    models return, so that loading them needs no third-party import."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, Mapping):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(key): plain(item) for key, item in value.items() if item is not None}
+    if isinstance(value, (list, tuple)):
+        items = [plain(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
     return value
 
 
@@ -82,6 +101,9 @@ class Batch:
     """What the loss and the metrics compare the outputs with."""
     size: int = 0
     """Samples in the batch."""
+    labels: Optional[str] = None
+    """The keyword the targets are given to the model under as well (`task.loss: model`: the model computes its
+    own loss, as Hugging Face models do from `labels`); None: the model never sees them."""
 
     @classmethod
     def pair(cls, inputs: Any, targets: Any) -> "Batch":
@@ -97,9 +119,11 @@ class Batch:
 
     def to(self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format) -> "Batch":
         return Batch(move(self.args, device, memory_format), move(self.kwargs, device, memory_format),
-                     move(self.targets, device), self.size)
+                     move(self.targets, device), self.size, self.labels)
 
     def forward(self, model: Any) -> Any:
+        if self.labels is not None:
+            return model(*self.args, **self.kwargs, **{self.labels: self.targets})
         return model(*self.args, **self.kwargs)
 
     def inputs(self) -> list[tuple[Optional[str], Any]]:
@@ -133,8 +157,9 @@ def _parts(raw: Any) -> list[str]:
     return []
 
 
-def _part(raw: Any, name: str, key: str) -> Any:
-    """The part `name` of a batch (a key, an attribute, or an index); BadInput naming `key` when it has none."""
+def part(raw: Any, name: str, key: str, what: str = "the batch") -> Any:
+    """The part `name` of a batch or of a model's outputs (`what`): a key, an attribute, or an index; BadInput
+    naming `key` when it has none."""
     if isinstance(raw, Mapping):
         if name in raw:
             return raw[name]
@@ -144,7 +169,7 @@ def _part(raw: Any, name: str, key: str) -> Any:
     elif hasattr(raw, name) and not callable(getattr(raw, name)):
         return getattr(raw, name)
     parts = _parts(raw)
-    raise BadInput(f"{key}: the batch has no part '{name}'; its parts are "
+    raise BadInput(f"{key}: {what} has no part '{name}'; its parts are "
                    f"{', '.join(parts) if parts else 'none (it is a ' + type(raw).__name__ + ')'}. Name one of them "
                    "(a dict's key, a dataclass's field, a tuple's index).")
 
@@ -156,31 +181,41 @@ class BatchLayout:
 
     inputs: tuple[str, ...] = ()
     target: Optional[str] = None
+    labels: Optional[str] = None
+    """The keyword the model is given the targets under as well (`Batch.labels`)."""
 
     @classmethod
-    def from_task(cls, task) -> "BatchLayout":
-        return cls(tuple(str(name) for name in task.inputs), None if task.target is None else str(task.target))
+    def from_task(cls, task, inference: bool = False) -> "BatchLayout":
+        """The job's layout; with `task.loss: model` the model is given the targets too (as `task.target` names
+        them, `labels` for a pair), except for `inference` (export, predict), which needs no loss."""
+        target = None if task.target is None else str(task.target)
+        labels = None
+        if getattr(task, "loss", None) == MODEL_LOSS and not inference:
+            labels = "labels" if target is None or target.isdigit() else target
+        return cls(tuple(str(name) for name in task.inputs), target, labels)
 
     def batch(self, raw: Any) -> Batch:
         """The `Batch` a loader's batch is; BadInput naming `task.inputs`/`task.target` when it does not fit."""
         if self.target is None:
             if isinstance(raw, (tuple, list)) and len(raw) == 2:
-                return Batch.pair(raw[0], raw[1])
+                return dataclasses.replace(Batch.pair(raw[0], raw[1]), labels=self.labels)
             parts = _parts(raw)
             raise BadInput(f"task.target: a batch here is {type(raw).__name__}"
                            f"{' with parts ' + ', '.join(parts) if parts else ''}, not an (inputs, targets) pair: "
                            "name its parts with task.inputs and task.target (e.g. task.inputs: [input_ids, "
                            "attention_mask], task.target: labels).")
-        targets = _part(raw, self.target, "task.target")
+        targets = part(raw, self.target, "task.target")
         names = self.inputs or tuple(name for name in _parts(raw) if name != self.target)
         args, kwargs = [], {}
         for name in names:
-            value = _part(raw, name, "task.inputs")
+            if name == self.labels:
+                continue  # given as the targets
+            value = part(raw, name, "task.inputs")
             if name.isdigit():
                 args.append(value)
             else:
                 kwargs[name] = value
-        return Batch(tuple(args), kwargs, targets, _size(targets, tuple(args), kwargs))
+        return Batch(tuple(args), kwargs, targets, _size(targets, tuple(args), kwargs), self.labels)
 
 
 class Batches:

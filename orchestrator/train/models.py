@@ -5,8 +5,9 @@ ships that module to the workers (Ray runtime_env `py_modules`).
 """
 
 import inspect
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -85,6 +86,11 @@ def resolve_factory(name: str, where: str = "model.name") -> Callable[..., nn.Mo
     return resolve_import_path(name, where, kind="model")
 
 
+def _from_config(model_class: type, config: type, **kwargs: Any) -> nn.Module:
+    """A Hugging Face model built from its configuration (its own initialisation; no weights downloaded)."""
+    return model_class(config(**kwargs))
+
+
 def _accepts(factory: Callable, arg: str) -> bool:
     try:
         params = inspect.signature(factory).parameters.values()
@@ -93,10 +99,22 @@ def _accepts(factory: Callable, arg: str) -> bool:
     return any(p.name == arg or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def config_class(factory: Callable) -> Optional[type]:
+    """The configuration class of a Hugging Face model class (`BertForSequenceClassification` -> `BertConfig`),
+    which is built from one; None for anything else."""
+    config = getattr(factory, "config_class", None) if inspect.isclass(factory) else None
+    return config if inspect.isclass(config) and hasattr(factory, "from_pretrained") else None
+
+
 def build_model(model_cfg) -> nn.Module:
     factory = resolve_factory(model_cfg.name)
     kwargs = dict(model_cfg.kwargs)
-    if model_cfg.num_classes is not None and _accepts(factory, "num_classes"):
+    config = config_class(factory)
+    if config is not None:  # a Hugging Face class: model.kwargs are its config's, num_classes its num_labels
+        if model_cfg.num_classes is not None:
+            kwargs.setdefault("num_labels", model_cfg.num_classes)
+        factory = partial(_from_config, factory, config)
+    elif model_cfg.num_classes is not None and _accepts(factory, "num_classes"):
         kwargs.setdefault("num_classes", model_cfg.num_classes)
     # Any failure here comes from the job's values (num_classes=-1 is a RuntimeError): bad input, not a crash.
     try:

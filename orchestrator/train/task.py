@@ -12,17 +12,25 @@ import-path model is):
   is not a mean over samples (macro-F1, AUROC, mAP) needs this.
 Losses and metrics see fp32 outputs (floating outputs are cast to float32 first), whatever the forward pass
 computed in.
+
+Models that return more than one tensor (a dict, a dataclass, a tuple, a Hugging Face `ModelOutput`): the built-in
+losses and metrics, and torchmetrics Metrics, read the prediction from the part `task.output` names (a key, an
+attribute or an index), else from `logits` where the outputs have it; the user's own functions get the outputs
+whole. `task.loss: model` is the loss the model returns (its outputs' `loss`), the model given the targets too.
 """
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from orchestrator.config.imports import resolve_import_path
 from orchestrator.config.names import check_loss_name, is_torchmetrics_class, snake_case
-from orchestrator.train.batch import map_tensors
+from orchestrator.errors import BadInput
+from orchestrator.train.batch import MODEL_LOSS, map_tensors, part
 
 Loss = Callable[[Any, Any], torch.Tensor]
 
@@ -32,22 +40,52 @@ def fp32(outputs: Any) -> Any:
     return map_tensors(lambda t: t.float() if t.is_floating_point() else t, outputs)
 
 
+def prediction(outputs: Any, output: Optional[str] = None) -> Any:
+    """The part of a model's outputs that is its prediction: the key, attribute or index `output` names (BadInput
+    naming `task.output` where there is none), else `logits` where the outputs have it, else the outputs."""
+    if output is not None:
+        return part(outputs, str(output), "task.output", "the model's output")
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return outputs["logits"] if "logits" in outputs else outputs
+    logits = getattr(outputs, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else outputs
+
+
 def _as_outputs(targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     """Targets as float with the outputs' shape (`N` targets for `N x 1` outputs)."""
     targets = targets.float()
     return targets.view_as(outputs) if targets.numel() == outputs.numel() else targets
 
 
+def model_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    """`task.loss: model`: the loss the model computed (its outputs' `loss`: a key, an attribute, or index 0 of a
+    tuple, as Hugging Face models return it when given `labels`)."""
+    loss = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else \
+        part(outputs, "loss", "task.loss", "the model's output")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise BadInput(f"task.loss: model: the model's loss is {type(loss).__name__}"
+                       f"{' of shape ' + str(list(loss.shape)) if isinstance(loss, torch.Tensor) else ''}, not a "
+                       "scalar tensor. A model computes its own loss when given the targets (`labels`); or name a "
+                       "loss.")
+    return loss.float()
+
+
 def build_loss(task) -> Loss:
-    name = task.loss
+    name, output = task.loss, getattr(task, "output", None)  # a run logged before task.output has none
+    if name == MODEL_LOSS:
+        return model_loss
     if name == "cross_entropy":
         smoothing = task.label_smoothing
-        return lambda outputs, targets: F.cross_entropy(outputs.float(), targets, label_smoothing=smoothing)
+        return lambda outputs, targets: F.cross_entropy(prediction(outputs, output).float(), targets,
+                                                        label_smoothing=smoothing)
     if name == "mse":
-        return lambda outputs, targets: F.mse_loss(outputs.float(), _as_outputs(targets, outputs.float()))
+        return lambda outputs, targets: F.mse_loss(prediction(outputs, output).float(),
+                                                   _as_outputs(targets, prediction(outputs, output).float()))
     if name == "bce_with_logits":
         return lambda outputs, targets: F.binary_cross_entropy_with_logits(
-            outputs.float(), _as_outputs(targets, outputs.float()))
+            prediction(outputs, output).float(), _as_outputs(targets, prediction(outputs, output).float()))
     check_loss_name(name)  # an unknown name is refused here
     user_loss = resolve_import_path(name, "task.loss", kind="loss")
     return lambda outputs, targets: user_loss(fp32(outputs), targets)
@@ -69,8 +107,9 @@ class SummedMetric:
     """A metric function `fn(outputs, targets) -> {name: (sum, count)}`: sums and counts added up over this rank's
     batches here, over the ranks by the evaluation (one all-reduce for every such metric)."""
 
-    def __init__(self, function: Callable[[Any, Any], dict[str, tuple[Any, Any]]], name: str):
-        self.function, self.name = function, name
+    def __init__(self, function: Callable[[Any, Any], dict[str, tuple[Any, Any]]], name: str,
+                 reads: Callable[[Any], Any] = lambda outputs: outputs):
+        self.function, self.name, self.reads = function, name, reads
         self.sums: dict[str, list[Any]] = {}
         """name -> [sum, count] over this rank's batches so far (tensors stay on the device until the end)."""
 
@@ -78,7 +117,7 @@ class SummedMetric:
         self.sums = {}
 
     def update(self, outputs: Any, targets: Any) -> None:
-        returned = self.function(outputs, targets)
+        returned = self.function(self.reads(outputs), targets)
         if not isinstance(returned, dict) or not all(isinstance(v, (tuple, list)) and len(v) == 2
                                                      for v in returned.values()):
             raise TypeError(f"it returned {type(returned).__name__} {str(returned)[:100]}, not {{name: (sum, "
@@ -92,15 +131,15 @@ class TorchMetric:
     """A torchmetrics Metric: updated per batch, `compute()` gathers every rank's state (torchmetrics' own sync, a
     collective every rank makes) and gives the whole eval set's value."""
 
-    def __init__(self, metric: Any, key: str):
-        self.metric, self.key = metric, key
+    def __init__(self, metric: Any, key: str, reads: Callable[[Any], Any] = lambda outputs: outputs):
+        self.metric, self.key, self.reads = metric, key, reads
 
     def reset(self, device: torch.device) -> None:
         self.metric.reset()
         self.metric.to(device)
 
     def update(self, outputs: Any, targets: Any) -> None:
-        self.metric.update(outputs, targets)
+        self.metric.update(self.reads(outputs), targets)
 
     def compute(self) -> dict[str, float]:
         """`{key: value}`; a metric giving one value per class or a dict gives `key/<index or name>` for each."""
@@ -115,14 +154,16 @@ class TorchMetric:
         return {f"{self.key}/{index}": float(v) for index, v in enumerate(value.flatten())}
 
 
-def build_metric(spec) -> SummedMetric | TorchMetric:
+def build_metric(spec, output: Optional[str] = None) -> SummedMetric | TorchMetric:
+    """`spec`'s metric; the built-in ones and torchmetrics read the prediction (`task.output`, or `logits`)."""
+    reads = partial(prediction, output=output)
     if spec.name in BUILT_IN:
-        return SummedMetric(BUILT_IN[spec.name], spec.name)
+        return SummedMetric(BUILT_IN[spec.name], spec.name, reads)
     target = resolve_import_path(spec.name, "task.metrics", kind="metric")
     if is_torchmetrics_class(target):
-        return TorchMetric(target(**dict(spec.kwargs)), spec.log_as or snake_case(target.__name__))
+        return TorchMetric(target(**dict(spec.kwargs)), spec.log_as or snake_case(target.__name__), reads)
     return SummedMetric(target, spec.name)
 
 
 def build_metrics(task) -> list[SummedMetric | TorchMetric]:
-    return [build_metric(spec) for spec in task.metrics]
+    return [build_metric(spec, getattr(task, "output", None)) for spec in task.metrics]
