@@ -355,3 +355,19 @@ def test_the_bucket_overlay_keeps_mlflows_artifacts_in_a_bucket_with_no_volume_a
         gpu - {("PersistentVolumeClaim", "mlflow-artifacts")} | {("ServiceAccount", "ampflow-mlflow")}
     dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
     assert "boto3" in dockerfile and "google-cloud-storage" in dockerfile and "import" in dockerfile
+
+
+def test_ray_workers_get_the_time_to_checkpoint_on_an_eviction_notice(overlay):
+    """Kubernetes SIGKILLs a pod `terminationGracePeriodSeconds` after its SIGTERM: the workers need the job's
+    `failure.preemption_grace_s` to checkpoint, and a few seconds more to hand the checkpoint over."""
+    from orchestrator.config import load_job
+    from orchestrator.config.schema import FailureSection
+
+    name, objects = overlay
+    job_file, overrides = entrypoint(objects)
+    grace_s = load_job(REPO / job_file, overrides, base_dir=REPO).failure.preemption_grace_s
+    assert grace_s == FailureSection().preemption_grace_s  # the default the manifests are made for
+    for where, spec in ray_pod_specs(objects):
+        if "head" in where:
+            continue
+        assert spec["terminationGracePeriodSeconds"] >= grace_s + 5, where  # said, not Kubernetes' default
