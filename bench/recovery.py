@@ -170,9 +170,14 @@ def main(argv=None) -> int:
         print(f"| {scenario} | {statistics.median(r['recovery_s'] for r in results):.1f} | "
               f"{sorted({r['steps_redone'] for r in results})} | {len(results)} |")
     if args.json:
+        import torch
+
+        medians = {f"{scenario}_recovery_s": statistics.median(r["recovery_s"] for r in results)
+                   for scenario, results in figures.items()}
         args.json.write_text(json.dumps({
             "harness": "recovery", "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
-            "config": vars(args) | {"json": str(args.json)}, "figures": figures,
+            "torch": torch.__version__, "config": vars(args) | {"json": str(args.json)}, "figures": figures,
+            "ratios": medians, "targets": {},
             "command": " ".join(["python -m bench.recovery", *(argv or sys.argv[1:])])}, indent=2))
     return 0
 
