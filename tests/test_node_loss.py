@@ -29,6 +29,10 @@ def test_each_lost_node_is_told_once_the_restarted_attempt_reports_with_the_step
     writer.accept([Report(seq=2, step=4, tags={"resumed_from_step": "4"}), Report(seq=3, step=11),
                    NodeLost("c" * 56, "10.0.0.4", [0], 1_790_000_100.0),
                    Report(seq=4, step=8, tags={"resumed_from_step": "8"})])
+    # Ray declared a node dead only after the restarted attempt had reported its resume: the controller says
+    # which step the loss came after and which checkpoint the restart took; it is told at once.
+    writer.accept([Report(seq=5, step=13), Report(seq=6, step=12, tags={"resumed_from_step": "12"}),
+                   NodeLost("d" * 56, "10.0.0.5", [1], 1_790_000_200.0, last_step=14, resumed_from_step=12)])
     assert writer._flush(force=True)
 
     err = capsys.readouterr().err
@@ -36,12 +40,14 @@ def test_each_lost_node_is_told_once_the_restarted_attempt_reports_with_the_step
             "step 6; training resumed from the checkpoint of step 4: 2 step(s) redone.") in err
     assert "node 10.0.0.3 (Ray node bbbbbbbbbbbb) was lost at 2026-09-21T14:13:20Z with rank(s) 2, 3, after step 6" in err
     assert "after step 11; training resumed from the checkpoint of step 8: 3 step(s) redone." in err
+    assert "node 10.0.0.5 (Ray node dddddddddddd) was lost at 2026-09-21T14:16:40Z with rank(s) 1, after step 14; " \
+           "training resumed from the checkpoint of step 12: 2 step(s) redone." in err
     tags = tracker.tags()
     losses = json.loads(tags["node_losses"])
     assert [(lost["node_ip"], lost["last_step"], lost["resumed_from_step"], lost["steps_redone"]) for lost in losses] \
-        == [("10.0.0.2", 6, 4, 2), ("10.0.0.3", 6, 4, 2), ("10.0.0.4", 11, 8, 3)]
+        == [("10.0.0.2", 6, 4, 2), ("10.0.0.3", 6, 4, 2), ("10.0.0.4", 11, 8, 3), ("10.0.0.5", 14, 12, 2)]
     assert json.loads(tags["node_lost"]) == losses[-1]
-    assert tags["steps_redone"] == "5"  # the two nodes lost together cost the steps once
+    assert tags["steps_redone"] == "7"  # the two nodes lost together cost the steps once
 
 
 def test_ray_reports_of_a_dead_node_stay_off_the_console_and_others_are_printed(monkeypatch, capsys, caplog):

@@ -156,10 +156,16 @@ class MlflowWriter:
     def accept(self, taken: list) -> None:
         """What the relay held, in order: reports, and the nodes lost between them (`NodeLost`)."""
         for item in taken:
-            if isinstance(item, NodeLost):  # in order with the reports: the newest step is the last before the loss
-                self.node_losses.lost(item, self.newest.get("step"))
+            if isinstance(item, NodeLost):  # the newest step before it, when the controller had none
+                self._tell_node_losses(*self.node_losses.lost(item, self.newest.get("step")))
             else:
                 self.enqueue(item)
+
+    def _tell_node_losses(self, lines: list[str], tags: dict[str, str]) -> None:
+        for line in lines:
+            print(f"warning: {line}", file=sys.stderr)
+        if tags:
+            self.pending.append(("tags", tags))
 
     def take_printed(self) -> list[str]:
         """The lines the workers printed (`run.worker_output`) since the last call: the console shows them."""
@@ -167,11 +173,7 @@ class MlflowWriter:
 
     def enqueue(self, report: Report) -> None:
         if "resumed_from_step" in report.tags:  # the first report of a restarted attempt: what a lost node cost
-            lines, tags = self.node_losses.resumed(int(report.tags["resumed_from_step"]))
-            for line in lines:
-                print(f"warning: {line}", file=sys.stderr)
-            if tags:
-                self.pending.append(("tags", tags))
+            self._tell_node_losses(*self.node_losses.resumed(int(report.tags["resumed_from_step"])))
         for resent in report.replay:  # a resumed run's reports the previous driver may have lost
             self.enqueue(resent)
         timestamp = int(time.time() * 1000)
