@@ -101,7 +101,7 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
     try:
         if scenario == "node-loss":
-            head = {"num_cpus": 0, "temp_dir": str(ray_tmp / "ray")}
+            head = {"num_cpus": 0, "temp_dir": str(ray_tmp / "ray"), "include_dashboard": False}  # no port 8265
             if not args.default_health_checks:
                 head["_system_config"] = FAST_NODE_DEATH
             cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -113,8 +113,11 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
             driver = subprocess.Popen(command, cwd=tmp, env=env_for(ray_tmp), stdout=console, stderr=subprocess.STDOUT)
         try:
             where = json.loads(wait(lambda: marker.exists() and marker.read_text(), driver, 300, "the step to strike"))
-            wait(lambda: (found := logged(uri, scenario)) and args.at_step - 1 in loss_steps(found[0], found[1].info.run_id),
-                 driver, 60, f"step {args.at_step - 1} logged")
+            def step_before_logged():
+                found = logged(uri, scenario)
+                return found and args.at_step - 1 in loss_steps(found[0], found[1].info.run_id)
+
+            wait(step_before_logged, driver, 60, f"step {args.at_step - 1} logged")
             struck_at = time.time()
             if scenario == "node-loss":
                 (node,) = [n for n in cluster.worker_nodes if n.node_id == where["node_id"]]

@@ -68,7 +68,8 @@ def test_a_node_lost_mid_epoch_resumes_in_the_same_run_and_says_which_node_and_w
         failure={"max_failures": 1},
         callbacks=[drill("AwaitNodeLoss", rank=1, at_step=7, marker=str(marker))]))
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "temp_dir": str(ray_tmpdir / "ray"), "_system_config": FAST_NODE_DEATH})
+        "num_cpus": 0, "temp_dir": str(ray_tmpdir / "ray"), "include_dashboard": False,  # no port 8265 to share
+        "_system_config": FAST_NODE_DEATH})
     driver = None
     try:
         for _ in range(3):

@@ -338,7 +338,8 @@ def test_the_rayjob_lifecycle_is_chosen(overlay):
 
 def test_the_bucket_overlay_keeps_mlflows_artifacts_in_a_bucket_with_no_volume_and_an_image_that_can_reach_it():
     objects = render(REPO / "k8s" / "overlays" / "gpu-bucket")
-    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "mlflow-artifacts"]
+    assert not [o for o in objects
+                if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "mlflow-artifacts"]
     pod = one(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert "volumes" not in pod and "volumeMounts" not in container

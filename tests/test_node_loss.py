@@ -23,8 +23,10 @@ def tracker(write_job, mlflow_uri):
 def test_each_lost_node_is_told_once_the_restarted_attempt_reports_with_the_steps_it_redoes(tracker, capsys):
     writer = MlflowWriter(relay=None, tracker=tracker)
     # Two nodes lost at once after step 6 (checkpoint of step 4), then one more after step 11 (checkpoint of 8).
-    writer.accept([Report(seq=1, step=5, metrics={"train/loss": 0.5}), Report(seq=2, step=6, metrics={"train/loss": 0.4}),
-                   NodeLost("a" * 56, "10.0.0.2", [1], 1_790_000_000.0), NodeLost("b" * 56, "10.0.0.3", [2, 3], 1_790_000_000.5)])
+    writer.accept([Report(seq=1, step=5, metrics={"train/loss": 0.5}),
+                   Report(seq=2, step=6, metrics={"train/loss": 0.4}),
+                   NodeLost("a" * 56, "10.0.0.2", [1], 1_790_000_000.0),
+                   NodeLost("b" * 56, "10.0.0.3", [2, 3], 1_790_000_000.5)])
     assert "lost" not in capsys.readouterr().err  # told with what it cost, once the run goes on
     writer.accept([Report(seq=2, step=4, tags={"resumed_from_step": "4"}), Report(seq=3, step=11),
                    NodeLost("c" * 56, "10.0.0.4", [0], 1_790_000_100.0),
@@ -38,7 +40,8 @@ def test_each_lost_node_is_told_once_the_restarted_attempt_reports_with_the_step
     err = capsys.readouterr().err
     assert ("warning: node 10.0.0.2 (Ray node aaaaaaaaaaaa) was lost at 2026-09-21T14:13:20Z with rank(s) 1, after "
             "step 6; training resumed from the checkpoint of step 4: 2 step(s) redone.") in err
-    assert "node 10.0.0.3 (Ray node bbbbbbbbbbbb) was lost at 2026-09-21T14:13:20Z with rank(s) 2, 3, after step 6" in err
+    assert "node 10.0.0.3 (Ray node bbbbbbbbbbbb) was lost at 2026-09-21T14:13:20Z with rank(s) 2, 3, after step 6" \
+        in err
     assert "after step 11; training resumed from the checkpoint of step 8: 3 step(s) redone." in err
     assert "node 10.0.0.5 (Ray node dddddddddddd) was lost at 2026-09-21T14:16:40Z with rank(s) 1, after step 14; " \
            "training resumed from the checkpoint of step 12: 2 step(s) redone." in err
