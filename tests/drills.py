@@ -11,6 +11,10 @@ this module like any user code (it is shipped with the job). Steps are global op
   between checkpoints.
 - `KillRank`: a rank's process dies with `os._exit` at the start of a step, as a preempted node or an OOM
   kill would: no exception, no cleanup. With a `marker` file, only once (a restarted worker group lives).
+- `AwaitNodeLoss`: at a step, a rank writes its Ray node's ID to a marker file and waits for the test to remove
+  that node from a multi-node cluster (`ray.cluster_utils.Cluster`): a node lost mid-epoch.
+- `AwaitPreemption`: at a step, a rank writes its process ID to a marker file and waits inside the step for the
+  test's SIGTERM (a preemption notice).
 - `StallForward`: a rank's forward blocks for good from a step on (a deadlocked model, a hung read), while its peers
   wait for it in the gradients' all-reduce. With a `marker` file, only once.
 - `SigStop`: a rank's process stops itself with SIGSTOP at the start of a step: it can neither run nor write
@@ -87,6 +91,40 @@ class KillRank:
                 return
             Path(self.marker).write_text(f"rank {self.rank} killed at step {self.at_step}\n")
         os._exit(1)
+
+
+class AwaitNodeLoss:
+    def __init__(self, rank: int, at_step: int, marker: str, wait_s: float = 120.0):
+        """At `at_step`, `rank` writes its Ray node's ID to `marker` (once) and waits there for the test to remove
+        that node (the rank dies with it); the other ranks wait in the step's collectives meanwhile."""
+        self.rank, self.at_step, self.marker, self.wait_s = rank, at_step, marker, wait_s
+
+    def before_step(self, loop, step) -> None:
+        if loop.rank != self.rank or step.number != self.at_step or Path(self.marker).exists():
+            return
+        import ray
+
+        Path(self.marker + ".tmp").write_text(ray.get_runtime_context().get_node_id())
+        os.replace(self.marker + ".tmp", self.marker)
+        time.sleep(self.wait_s)  # the node goes meanwhile; should it not, the run goes on and the test fails
+
+
+class AwaitPreemption:
+    def __init__(self, rank: int, at_step: int, marker: str, wait_s: float = 120.0):
+        """At `at_step`, `rank` writes its process ID to `marker` (once) and waits, inside the step, until that process
+        gets its preemption notice (the test's SIGTERM): the notice comes in the middle of a step."""
+        self.rank, self.at_step, self.marker, self.wait_s = rank, at_step, marker, wait_s
+
+    def before_step(self, loop, step) -> None:
+        if loop.rank != self.rank or step.number != self.at_step or Path(self.marker).exists():
+            return
+        from orchestrator.train.preemption import Notice
+
+        Path(self.marker + ".tmp").write_text(str(os.getpid()))
+        os.replace(self.marker + ".tmp", self.marker)
+        deadline = time.monotonic() + self.wait_s
+        while Notice.received_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def first_time(marker: Optional[str], what: str) -> bool:

@@ -1,6 +1,6 @@
 """Where things are in rendered k8s/ objects: the clusters, pods and containers the tests look at."""
 
-OVERLAYS = {"gpu": "gpu", "gke": "gpu", "eks": "gpu", "cpu-smoke": "cpu"}  # k8s/overlays/NAME -> image variant
+OVERLAYS = {"gpu": "gpu", "gke": "gpu", "eks": "gpu", "cpu-smoke": "cpu", "gpu-bucket": "gpu"}  # k8s/overlays/NAME -> image variant
 
 
 def one(objects, kind, name=None):

@@ -7,7 +7,7 @@ Supported, exactly as kustomize applies them: `resources` (files and directories
 kustomization), `namespace`, `labels` (pairs added to metadata.labels only), `images` (name,
 newName, newTag, on every `containers`/`initContainers` list, CRDs included) and `patches`
 with a target kind/name and JSON 6902 operations add, remove and replace (inline or from a
-file). Anything else is refused, so an overlay cannot silently use a feature rendered wrongly here.
+file), or a strategic-merge patch that is only `$patch: delete` (the target object goes). Anything else is refused, so an overlay cannot silently use a feature rendered wrongly here.
 """
 
 import copy
@@ -59,9 +59,17 @@ def _apply_patch(objects: list[dict], patch: dict, directory: Path) -> None:
         raise Unsupported(f"{directory}: patch {patch} (only target kind/name with JSON 6902 ops)")
     text = (directory / patch["path"]).read_text() if "path" in patch else patch["patch"]
     operations = yaml.safe_load(text)
+    target = patch["target"]
+    if isinstance(operations, dict) and operations.get("$patch") == "delete":
+        if (operations.get("kind"), operations.get("metadata", {}).get("name")) != (target["kind"], target["name"]):
+            raise Unsupported(f"{directory}: a delete patch must name its target's kind and name")
+        kept = [obj for obj in objects if (obj["kind"], obj["metadata"]["name"]) != (target["kind"], target["name"])]
+        if len(kept) == len(objects):
+            raise ValueError(f"{directory}: patch target {target} matches no resource")
+        objects[:] = kept
+        return
     if not isinstance(operations, list):
         raise Unsupported(f"{directory}: strategic-merge patch {patch}; use JSON 6902 operations")
-    target = patch["target"]
     matched = [obj for obj in objects if obj["kind"] == target["kind"] and obj["metadata"]["name"] == target["name"]]
     if not matched:
         raise ValueError(f"{directory}: patch target {target} matches no resource")

@@ -90,7 +90,7 @@ def fake_ray(new_store, write_job, tmp_path, monkeypatch):
     monkeypatch.setattr(ray_start, "init_ray", lambda address, module_sources: (False, None))
     monkeypatch.setattr(writer, "ray", type("FakeRay", (), {"get": staticmethod(lambda value, timeout=None: value),
                                                            "is_initialized": staticmethod(lambda: True)}))
-    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_FakeRelay))
+    monkeypatch.setattr(relay, "start_relay", _FakeRelay)
 
     def use_trainer(trainer) -> None:
         monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: trainer)
@@ -119,7 +119,7 @@ def test_a_failure_at_any_driver_stage_closes_the_run_failed(stage, planned, mon
     from orchestrator.tracking.tracker import RunTracker
 
     if stage == "relay":
-        monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(_raise("relay")))
+        monkeypatch.setattr(relay, "start_relay", _raise("relay"))
     if stage == "build_trainer":
         monkeypatch.setattr(launch, "build_trainer", _raise("build_trainer"))
     if stage == "fit":
@@ -207,7 +207,7 @@ def test_the_console_s_final_line_is_the_last_step_even_when_it_reached_the_rela
             queue.append(Report(seq=1, step=4, epoch=1, epochs=1, total_steps=4, metrics={"train/loss": 0.5}))
             return _FakeResult()
 
-    monkeypatch.setattr(relay.ReportRelay, "remote", staticmethod(QueueRelay))
+    monkeypatch.setattr(relay, "start_relay", QueueRelay)
     planned.use_trainer(ReportsAtTheEnd(False))
     assert driver.execute(planned.plan) == 0
     assert "epoch 1/1 | step 4/4 | loss 0.5000" in capsys.readouterr().err

@@ -26,6 +26,8 @@ from k8s_render import render
 K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())  # oldest we support, newest known
 KUBERAY_SCHEMAS = REPO / "k8s" / "schemas" / "kuberay-v1.7.0"
 SECRETS = {"ampflow-postgres": {"password"}, "ray-auth-token": {"auth_token"}}
+BUCKET_SECRETS = {"ampflow-mlflow-artifacts": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3"}}
+"""Referenced by the MLflow server of `gpu-bucket` where the pod has no identity of its own (each key optional)."""
 
 
 @pytest.fixture(scope="module", params=list(OVERLAYS))
@@ -277,7 +279,7 @@ def test_ray_token_auth_is_on_with_the_token_from_the_secret(overlay):
 
 
 def test_secrets_are_referenced_never_committed(overlay):
-    _, objects = overlay
+    name, objects = overlay
     assert not [o for o in objects if o["kind"] == "Secret"]
     for path in (REPO / "k8s").rglob("*.yaml"):
         if "schemas" not in path.parts:
@@ -295,9 +297,10 @@ def test_secrets_are_referenced_never_committed(overlay):
                 walk(value)
 
     walk(objects)
-    assert referenced == SECRETS
+    expected = {**SECRETS, **BUCKET_SECRETS} if name == "gpu-bucket" else SECRETS
+    assert referenced == expected
     guide = (REPO / "docs" / "deploy.md").read_text()
-    for secret, keys in SECRETS.items():
+    for secret, keys in expected.items():
         assert f"kubectl create secret generic {secret}" in guide and f"--from-literal={next(iter(keys))}=" in guide
 
 
@@ -331,3 +334,41 @@ def test_the_rayjob_lifecycle_is_chosen(overlay):
     # A head that never gets ready fails the job early; the whole run has a longer bound.
     assert 0 < spec["preRunningDeadlineSeconds"] < spec["activeDeadlineSeconds"]
     assert spec["backoffLimit"] == 0  # a retry restarts training and its MLflow run from scratch
+
+
+def test_the_bucket_overlay_keeps_mlflows_artifacts_in_a_bucket_with_no_volume_and_an_image_that_can_reach_it():
+    objects = render(REPO / "k8s" / "overlays" / "gpu-bucket")
+    assert not [o for o in objects
+                if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "mlflow-artifacts"]
+    pod = one(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "volumes" not in pod and "volumeMounts" not in container
+    command = container["command"]
+    assert command[command.index("--artifacts-destination") + 1].startswith(("s3://", "gs://"))
+    assert "MLFLOW_ARTIFACTS_DESTINATION" not in {entry["name"] for entry in container["env"]}
+    assert one(objects, "ServiceAccount", pod["serviceAccountName"])  # the pod's identity towards the bucket
+    for entry in container["env"]:  # credentials from a Secret only where there is no identity: all optional
+        if entry.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "ampflow-mlflow-artifacts":
+            assert entry["valueFrom"]["secretKeyRef"]["optional"] is True
+    # Everything else is the gpu overlay's, unchanged.
+    gpu = {(o["kind"], o["metadata"]["name"]) for o in render(REPO / "k8s" / "overlays" / "gpu")}
+    assert {(o["kind"], o["metadata"]["name"]) for o in objects} == \
+        gpu - {("PersistentVolumeClaim", "mlflow-artifacts")} | {("ServiceAccount", "ampflow-mlflow")}
+    dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
+    assert "boto3" in dockerfile and "google-cloud-storage" in dockerfile and "import" in dockerfile
+
+
+def test_ray_workers_get_the_time_to_checkpoint_on_an_eviction_notice(overlay):
+    """Kubernetes SIGKILLs a pod `terminationGracePeriodSeconds` after its SIGTERM: the workers need the job's
+    `failure.preemption_grace_s` to checkpoint, and a few seconds more to hand the checkpoint over."""
+    from orchestrator.config import load_job
+    from orchestrator.config.schema import FailureSection
+
+    name, objects = overlay
+    job_file, overrides = entrypoint(objects)
+    grace_s = load_job(REPO / job_file, overrides, base_dir=REPO).failure.preemption_grace_s
+    assert grace_s == FailureSection().preemption_grace_s  # the default the manifests are made for
+    for where, spec in ray_pod_specs(objects):
+        if "head" in where:
+            continue
+        assert spec["terminationGracePeriodSeconds"] >= grace_s + 5, where  # said, not Kubernetes' default

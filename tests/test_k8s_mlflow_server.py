@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -32,14 +33,14 @@ from ray_head import free_ports
 pytestmark = pytest.mark.slow
 
 
-def rendered(kind, name):
-    objects = render(REPO / "k8s" / "overlays" / "gpu")
+def rendered(kind, name, overlay: str = "gpu"):
+    objects = render(REPO / "k8s" / "overlays" / overlay)
     (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
     return found
 
 
-def mlflow_container():
-    return rendered("Deployment", "mlflow")["spec"]["template"]["spec"]["containers"][0]
+def mlflow_container(overlay: str = "gpu"):
+    return rendered("Deployment", "mlflow", overlay)["spec"]["template"]["spec"]["containers"][0]
 
 
 def init_container(kind, name, container):
@@ -59,6 +60,8 @@ def container_env(container, secret_values: dict) -> dict:
                            lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), entry["value"])
         else:
             ref = entry["valueFrom"]["secretKeyRef"]
+            if ref.get("optional") and (ref["name"], ref["key"]) not in secret_values:
+                continue  # Kubernetes leaves the variable unset
             value = secret_values[(ref["name"], ref["key"])]
         env[entry["name"]] = value
     return env
@@ -104,8 +107,16 @@ def server(postgres, tmp_path_factory):
     # Only where PostgreSQL is: scheme (driver), user, password and database stay the manifest's.
     local = uri._replace(netloc=f"{uri.username}:{uri.password}@{postgres.host}:{postgres.port}")
     env.update(MLFLOW_BACKEND_STORE_URI=urlunsplit(local), MLFLOW_ARTIFACTS_DESTINATION=str(directory / "volume"))
+    with serve(container["command"], env, directory) as (url, process):
+        yield url, directory / "volume", process
+
+
+@contextmanager
+def serve(manifest_command: list[str], env: dict, directory: Path):
+    """`mlflow server` with the manifest's command, only its listening address local and one worker, and `env`;
+    yields (its URL, its process) once it answers /health, and stops its process tree after."""
     (port,) = free_ports(1)
-    command = with_option(with_option(container["command"], "--host", "127.0.0.1"), "--port", str(port))
+    command = with_option(with_option(manifest_command, "--host", "127.0.0.1"), "--port", str(port))
     command = with_option(command, "--workers", "1")  # one is enough to answer; starts faster on 2 cores
     assert command[0] == "mlflow"
     command[0] = str(Path(sys.executable).with_name("mlflow"))
@@ -127,7 +138,7 @@ def server(postgres, tmp_path_factory):
                 time.sleep(0.5)
         else:
             pytest.fail(f"mlflow server did not answer /health in 120 s:\n{log.read_text()[-3000:]}")
-        yield url, directory / "volume", process
+        yield url, process
     finally:
         if process.poll() is None:
             server_tree = psutil.Process(process.pid)  # the server and its uvicorn workers: ours only
@@ -171,6 +182,47 @@ def test_a_run_logged_through_the_server_lands_in_postgresql_and_on_the_volume(s
             assert cursor.fetchall() == [("train/loss", 0.25, 3)]
     finally:
         connection.close()
+
+
+def test_the_bucket_variant_keeps_a_runs_artifacts_in_s3_with_the_secrets_credentials_and_no_volume(
+        postgres, tmp_path, monkeypatch):
+    """`k8s/overlays/gpu-bucket`'s exact `mlflow server --artifacts-destination s3://...` command, against a local S3
+    server whose endpoint and credentials come from the optional Secret's keys: an artifact logged through the
+    server lands in the bucket under the destination's prefix and is served back; the pod mounts nothing."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from s3_server import S3Server
+
+    container = mlflow_container("gpu-bucket")
+    assert "volumeMounts" not in container
+    destination = urlsplit(container["command"][container["command"].index("--artifacts-destination") + 1])
+    assert destination.scheme == "s3"
+    with S3Server(bucket=destination.netloc) as s3:
+        env = container_env(container, {
+            ("ampflow-postgres", "password"): postgres.password,
+            ("ampflow-mlflow-artifacts", "AWS_ACCESS_KEY_ID"): s3.env["AWS_ACCESS_KEY_ID"],
+            ("ampflow-mlflow-artifacts", "AWS_SECRET_ACCESS_KEY"): s3.env["AWS_SECRET_ACCESS_KEY"],
+            ("ampflow-mlflow-artifacts", "AWS_ENDPOINT_URL_S3"): s3.url})
+        assert "MLFLOW_ARTIFACTS_DESTINATION" not in env  # the command says where, nothing else
+        uri = urlsplit(env["MLFLOW_BACKEND_STORE_URI"])
+        env["MLFLOW_BACKEND_STORE_URI"] = urlunsplit(
+            uri._replace(netloc=f"{uri.username}:{uri.password}@{postgres.host}:{postgres.port}"))
+        env["AWS_DEFAULT_REGION"] = s3.env["AWS_DEFAULT_REGION"]
+        with serve(container["command"], env, tmp_path) as (url, _):
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+            client = MlflowClient(tracking_uri=url)
+            run_id = client.create_run(client.create_experiment("k8s-bucket")).info.run_id
+            (tmp_path / "audit.txt").write_text("layer dtypes\n")
+            client.log_artifact(run_id, str(tmp_path / "audit.txt"))
+            client.set_terminated(run_id, "FINISHED")
+            downloaded = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="audit.txt",
+                                                             dst_path=str(tmp_path / "down"), tracking_uri=url)
+            assert Path(downloaded).read_text() == "layer dtypes\n"
+        prefix = destination.path.strip("/") + "/"
+        (key,) = [key for key in s3.keys(prefix) if key.endswith("/audit.txt")]
+        body = s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+    assert body == b"layer dtypes\n" and run_id in key
 
 
 def test_the_mlflow_server_runs_without_mlflows_job_workers_and_within_the_containers_memory_request(server):

@@ -16,7 +16,8 @@ from k8s_quantities import pod_requests, quantity
 from k8s_render import render
 
 GUIDE = REPO / "docs" / "deploy.md"
-COVERED_BY = {"gpu": ("gke", "eks"), "gke": ("gke",), "eks": ("eks",), "cpu-smoke": ("cpu-smoke",)}
+COVERED_BY = {"gpu": ("gke", "eks"), "gke": ("gke",), "eks": ("eks",), "cpu-smoke": ("cpu-smoke",),
+              "gpu-bucket": ("gke", "eks")}
 
 
 def node_shapes() -> list[dict]:

@@ -408,6 +408,11 @@ class FailureSection:
     watchdog saves every thread's stack to `diagnostics/stacks/` and ends the attempt (a worker failure, which
     `max_failures` retries); the collective timeout is this plus 60 s. null: no watchdog, and torch's collective
     timeout (30 min) stays."""
+    preemption_grace_s: Optional[float] = 25.0
+    """Seconds a Ray Train worker has, after a SIGTERM (Kubernetes' eviction notice), to checkpoint at the next
+    step boundary and end its attempt, which Ray Train restarts from that checkpoint (`max_failures`); then it
+    exits. Keep it under the pods' `terminationGracePeriodSeconds` (k8s/: 30 s), after which Kubernetes kills.
+    null: SIGTERM ends a worker at once, as in Ray."""
 
 
 @dataclass

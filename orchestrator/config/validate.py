@@ -154,6 +154,10 @@ def validate(cfg: DictConfig, source: str) -> None:
     timeout = cfg.failure.step_timeout_s
     r(timeout is None or (math.isfinite(timeout) and timeout > 0), "failure.step_timeout_s",
       f"must be a finite number of seconds > 0, or null for no watchdog, got {timeout}.")
+    grace = cfg.failure.preemption_grace_s
+    r(grace is None or (math.isfinite(grace) and grace > 0), "failure.preemption_grace_s",
+      f"must be a finite number of seconds > 0 (under the pods' terminationGracePeriodSeconds), or null for SIGTERM "
+      f"to end a worker at once, got {grace}.")
 
 
 def _check_strategy(cfg: DictConfig, r) -> None:

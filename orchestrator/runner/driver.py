@@ -224,7 +224,8 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
     from ray.train import TrainingFailedError
 
     from orchestrator.runner.launch import build_trainer
-    from orchestrator.tracking.relay import RelayCallback, ReportRelay
+    from orchestrator.tracking.nodes import NodeLossWatch
+    from orchestrator.tracking.relay import RelayCallback, start_relay
     from orchestrator.tracking.writer import MlflowWriter
 
     cfg, storage = plan.cfg, plan.cfg.checkpoint.storage_path
@@ -252,7 +253,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
     run_id = plan.tracker.run_id if plan.tracker is not None else None
     records.write_record(storage, plan.run_name, job_file=str(plan.job_path.resolve()), run_id=run_id,
                          tracking_uri=redact(plan.uri), status="RUNNING", launched_at=ray_start.launched_at)
-    relay = ReportRelay.remote()
+    relay = start_relay()
     writer = end.writer = MlflowWriter(
         relay, plan.tracker,
         start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id,
@@ -261,7 +262,8 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
     if plan.resume and plan.tracker is not None:
         writer.resume_from_run()
     writer.start()
-    trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage, callbacks=[RelayCallback(relay)],
+    trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage,
+                            callbacks=[RelayCallback(relay), NodeLossWatch(relay)],
                             worker_runtime_env=ray_start.worker_runtime_env, run_id=run_id,
                             launched_at=ray_start.launched_at,
                             relay=relay)

@@ -1,14 +1,17 @@
 """Build the TorchTrainer for a resolved job: scaling, run, failure and checkpoint configs."""
 
+from dataclasses import dataclass
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch.config import _TorchBackend  # Ray 2.60: what TorchConfig sets up the workers with
 
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.hooks.watchdog import collective_timeout_s
 from orchestrator.train.memory import allocator_env
+from orchestrator.train.preemption import install_notice_handler
 from orchestrator.train.report import CHECKPOINT_SCORE
 
 
@@ -50,13 +53,37 @@ def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
     return runtime_env
 
 
+class _NoticeBackend(_TorchBackend):
+    def on_training_start(self, worker_group, backend_config) -> None:
+        super().on_training_start(worker_group, backend_config)
+        if backend_config.preemption_grace_s is not None:
+            # An actor task of Ray Train's (synchronous) worker actor runs on the process's main thread, the one
+            # where a signal handler can be set; the training itself runs on a thread of its own.
+            worker_group.execute(install_notice_handler, backend_config.preemption_grace_s)
+
+
+@dataclass
+class NoticeTorchConfig(TorchConfig):
+    """TorchConfig whose workers take SIGTERM as a preemption notice (`orchestrator.train.preemption`): Ray's worker
+    would end at once (its handler raises SystemExit)."""
+
+    preemption_grace_s: Optional[float] = None
+
+    @property
+    def backend_cls(self):
+        return _NoticeBackend
+
+
 def torch_config(cfg: DictConfig) -> TorchConfig:
     """gloo on CPU, NCCL on GPU (Ray Train's default picks by device; we say it explicitly), and a collective
     timeout just past `failure.step_timeout_s`, so that the watchdog, not a collective's error, ends a stuck
     attempt; without a step timeout, Ray Train's default (30 min)."""
     backend = "nccl" if cfg.scaling.use_gpu else "gloo"
     timeout_s = collective_timeout_s(cfg.failure.step_timeout_s)
-    return TorchConfig(backend=backend) if timeout_s is None else TorchConfig(backend=backend, timeout_s=timeout_s)
+    grace_s = cfg.failure.preemption_grace_s
+    if timeout_s is None:
+        return NoticeTorchConfig(backend=backend, preemption_grace_s=grace_s)
+    return NoticeTorchConfig(backend=backend, timeout_s=timeout_s, preemption_grace_s=grace_s)
 
 
 def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callbacks: list,

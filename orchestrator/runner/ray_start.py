@@ -7,6 +7,7 @@ names (a file `ray start` leaves behind after its cluster is gone). A cluster at
 for at most `CLUSTER_WAIT_S`, in Python, so that Ctrl-C and SIGTERM end the wait at once.
 """
 
+import logging
 import os
 import signal
 import socket
@@ -98,6 +99,7 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
     """
     import ray  # about a second to import; the driver imports this module, and its bad input exits before Ray
 
+    keep_raylet_dumps_off_console()
     if ray.is_initialized():
         if not module_sources:
             return False, None
@@ -129,6 +131,36 @@ def init_ray(address: Optional[str], module_sources: Sequence[Path] = ()) -> tup
         if watcher_off:
             os.environ.pop(PREEMPTION_WATCHER_ENV, None)
     return True, None
+
+
+NODE_DEATH_REPORTS = ("Raylet is terminated", "The node with node id: ")
+"""How the reports Ray publishes to every driver when a node dies begin (Ray 2.60): its dashboard agent's, with
+the dead raylet's last log lines (`ray._private.process_watcher.report_raylet_error_logs`), and the GCS's, once
+the node missed its health checks."""
+
+
+def keep_raylet_dumps_off_console() -> None:
+    """A driver prints every error report Ray publishes (`ray._private.worker.listen_error_messages`, whatever
+    `log_to_driver` says). When a node is lost, its dashboard agent publishes the dead raylet's last log lines:
+    pages of `[state-dump]` lines on the user's console, and the GCS a paragraph on missed heartbeats. Those
+    reports (`NODE_DEATH_REPORTS`) go to the `ray` logger at DEBUG instead (the raylet's own log on that node keeps
+    its lines whole, the agent's and the GCS's logs the reports); the console says which node was lost and what it
+    cost, in one line (`orchestrator.tracking.nodes`). Every other report is printed as before."""
+    import ray._private.worker as ray_worker  # where the listener finds its printer, at each report (Ray 2.60)
+
+    printing = ray_worker.print_to_stdstream
+    if getattr(printing, "keeps_raylet_dumps_off", False):
+        return
+
+    def print_but_raylet_dumps(data, ignore_prefix):
+        lines = data.get("lines") or []
+        if data.get("pid") == "raylet" and lines and str(lines[0]).startswith(NODE_DEATH_REPORTS):
+            logging.getLogger("ray").debug("a node died; Ray reported: %s", "\n".join(map(str, lines)))
+            return
+        printing(data, ignore_prefix)
+
+    print_but_raylet_dumps.keeps_raylet_dumps_off = True
+    ray_worker.print_to_stdstream = print_but_raylet_dumps
 
 
 @contextmanager

@@ -25,7 +25,8 @@ class ReportRelay:
         self.queue: list[Report] = []
         self.lines: list[str] = []
 
-    def push(self, report: Report) -> None:
+    def push(self, report) -> None:
+        """A report (`Report`), or a node the run lost between two (`orchestrator.tracking.nodes.NodeLost`)."""
         self.queue.append(report)
 
     def write(self, lines: list[str]) -> None:
@@ -36,6 +37,16 @@ class ReportRelay:
         """(the reports, the printed lines) since the last call."""
         queue, lines, self.queue, self.lines = self.queue, self.lines, [], []
         return queue, lines
+
+
+def start_relay():
+    """The run's relay, on the driver's node, where Ray Train puts its controller: on a cluster, a relay placed on
+    a worker node (where Ray may place an actor that needs no CPU) would be lost with that node, and with it the
+    run's reports."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ReportRelay.options(scheduling_strategy=here).remote()
 
 
 class RankOutput(io.TextIOBase):

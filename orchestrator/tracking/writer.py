@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestrator.errors import was_interrupted
+from orchestrator.tracking.nodes import NodeLost, NodeLosses
 from orchestrator.tracking.refusals import Refusals, describe
 from orchestrator.tracking.tables import RENDERED
 from orchestrator.train.report import Report
@@ -72,6 +73,8 @@ class MlflowWriter:
         self.overflow_log: list[dict[str, Any]] = []
         self.newest: dict[str, Any] = {}
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
+        self.node_losses = NodeLosses()
+        """The nodes the run lost (`orchestrator.tracking.nodes`), told once the restarted attempt reports."""
         self.printed: deque[str] = deque()
         """What the workers printed (`run.worker_output`), not yet shown on the console."""
         self.outage_since: Optional[float] = None
@@ -149,15 +152,30 @@ class MlflowWriter:
         if not ray.is_initialized():  # shut down: any Ray call would start a new local Ray (Ray's auto-init)
             raise RuntimeError("Ray is shut down")
         reports, lines = ray.get(self.relay.take.remote(), timeout=timeout_s)
-        for report in reports:
-            self.enqueue(report)
+        self.accept(reports)
         self.printed.extend(lines)
+
+    def accept(self, taken: list) -> None:
+        """What the relay held, in order: reports, and the nodes lost between them (`NodeLost`)."""
+        for item in taken:
+            if isinstance(item, NodeLost):  # the newest step before it, when the controller had none
+                self._tell_node_losses(*self.node_losses.lost(item, self.newest.get("step")))
+            else:
+                self.enqueue(item)
+
+    def _tell_node_losses(self, lines: list[str], tags: dict[str, str]) -> None:
+        for line in lines:
+            print(f"warning: {line}", file=sys.stderr)
+        if tags:
+            self.pending.append(("tags", tags))
 
     def take_printed(self) -> list[str]:
         """The lines the workers printed (`run.worker_output`) since the last call: the console shows them."""
         return [self.printed.popleft() for _ in range(len(self.printed))]
 
     def enqueue(self, report: Report) -> None:
+        if "resumed_from_step" in report.tags:  # the first report of a restarted attempt: what a lost node cost
+            self._tell_node_losses(*self.node_losses.resumed(int(report.tags["resumed_from_step"])))
         for resent in report.replay:  # a resumed run's reports the previous driver may have lost
             self.enqueue(resent)
         timestamp = int(time.time() * 1000)

@@ -45,6 +45,7 @@ from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.optim import should_step_schedule
+from orchestrator.train.preemption import Preempted, PreemptionCheck
 from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
@@ -121,6 +122,7 @@ class TrainingLoop:
         self.outbox = ReplayOutbox(session, self.rank, self.device)
         self.hooks = Hooks([
             Watchdog(cfg.failure.step_timeout_s),  # first: it is set up first and stopped first
+            *([PreemptionCheck()] if cfg.failure.preemption_grace_s is not None else []),
             SystemMetrics(cfg.tracking.system_metrics_interval_s), TimeToFirstStep(launched_at), PolicyAudit(),
             MemoryReport(), LossScaleTelemetry(), CollapseRecovery(cfg.precision.scaler.on_collapse),
             ParamGroupTable(fresh=state is None),
@@ -129,6 +131,9 @@ class TrainingLoop:
 
         self.global_step, self.seq = 0, 0
         """Optimizer steps taken (skipped ones included), and reports made, in the run so far."""
+        self.preempted = False
+        """A rank got a preemption notice (`orchestrator.train.preemption`): checkpoint at this step boundary and
+        end the attempt."""
         self.input_example = InputExample()
         """The first batch's inputs and the dims that vary between batches, kept in checkpoints for the logged
         model's signature and example."""
@@ -161,7 +166,9 @@ class TrainingLoop:
                 self.train_step(Step(self.global_step, epoch, index, batches))
                 log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
                 eval_due = self.due_mid_epoch(cfg.run.eval_every_n_steps, index)
-                checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index)
+                mid_epoch = index + 1 < self.steps_per_epoch
+                checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index) or (
+                    self.preempted and mid_epoch)
                 if log_due or eval_due or checkpoint_due:
                     report = self.new_report(epoch)
                     if log_due:
@@ -169,8 +176,16 @@ class TrainingLoop:
                     if eval_due:
                         report.metrics.update(self.evaluation())
                     self.send(report, (epoch, index + 1) if checkpoint_due else None)
+                if self.preempted and mid_epoch:
+                    raise self.preemption()
             if self.end_epoch(epoch):  # early stopping: the run ends here, finished
                 break
+            if self.preempted and epoch + 1 < cfg.run.epochs:  # the epoch's end checkpointed (end_epoch)
+                raise self.preemption()
+
+    def preemption(self) -> Preempted:
+        return Preempted(f"a preemption notice (SIGTERM) reached a rank: checkpointed at step {self.global_step}; "
+                         "the attempt ends so that Ray Train restarts it from there (failure.max_failures)")
 
     def train_step(self, step: Step) -> Step:
         """One optimizer step with its hooks, the schedule, the loss window and (`perf.compile`) compilation."""
@@ -209,7 +224,7 @@ class TrainingLoop:
         if nothing_trained is not None:  # the epoch's report goes out; the run cannot end as if it had trained
             self.send(report)
             raise NothingTrained(nothing_trained)
-        checkpoint_due = last or stop or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
+        checkpoint_due = last or stop or self.preempted or (epoch + 1) % cfg.checkpoint.every_n_epochs == 0
         self.send(report, (epoch, self.steps_per_epoch) if checkpoint_due else None)
         return stop
 

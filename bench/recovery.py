@@ -1,0 +1,189 @@
+"""bench.recovery: what a lost node and a preemption notice cost a run on a Ray cluster.
+
+For each scenario, per repeat: the time from the strike to the first step past the one the run had reached
+(`recovery_s`: the restarted attempt's start, its resume and the steps it trains again), and the steps trained
+again (`steps_redone`).
+
+- `node-loss`: a `ray.cluster_utils.Cluster` on this machine (a head without CPUs, three nodes of one CPU),
+  `submit --address`; rank 1's node is removed (its processes SIGKILLed) while rank 1 waits at `--at-step`,
+  once the driver has logged the step before. `steps_redone` is the run's tag (`orchestrator.tracking.nodes`).
+- `preemption`: `submit` with a Ray of its own; rank 1's process gets SIGTERM in the middle of `--at-step`.
+  `steps_redone` is the step struck minus the step the restart resumed from (`resumed_from_step`).
+
+Both train digits on 2 workers, checkpoints every `--every` steps, a report every step, `failure.max_failures: 1`.
+The first step past the strike is the first the struck attempt never reported (`--at-step` after a node loss, the
+next one after a notice, whose step was finished and checkpointed): its time is when the driver's MLflow writer
+took its report (the writer polls every second; Ray Train's controller takes reports every 2 s on
+a cluster that does not set RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 0.5 s in a Ray that submit starts).
+
+    python -m bench.recovery [--scenarios node-loss,preemption] [--repeats 1] [--json PATH]
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+                   "health_check_timeout_ms": 1000, "health_check_failure_threshold": 2}
+"""Ray declares a node dead ~3 s after it stops answering here (15 s and more by default): `--default-health-checks`
+keeps Ray's."""
+
+
+def job(args, tmp: Path, experiment: str, marker: Path, address_storage: str) -> Path:
+    path = tmp / f"{experiment}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name": "simple_cnn"}, "data": {"name": "digits"}, "scaling": {"num_workers": 2},
+        "run": {"epochs": 1, "batch_size": 32, "max_steps_per_epoch": args.steps, "seed": 0},
+        "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": experiment, "log_every_n_steps": 1,
+                     "log_model": False},
+        "checkpoint": {"every_n_steps": args.every, "storage_path": address_storage},
+        "failure": {"max_failures": 1},
+        "callbacks": [{"name": "bench.recovery_hooks:PauseAt",
+                       "kwargs": {"rank": 1, "at_step": args.at_step, "marker": str(marker)}}],
+    }, sort_keys=False))
+    return path
+
+
+def env_for(ray_tmp: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "MLFLOW_TRACKING_URI"}
+    return {**env, "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO)}
+
+
+def wait(predicate, process, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        if process.poll() is not None:
+            raise RuntimeError(f"submit ended (rc {process.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    return found
+
+
+def logged(uri: str, experiment: str):
+    """(client, run) of the experiment's one run, once there is one."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id]) if found else []
+    return (client, runs[0]) if runs else None
+
+
+def loss_steps(client, run_id: str) -> dict[int, float]:
+    """train/loss's step -> the time (s) the writer took it."""
+    return {m.step: m.timestamp / 1000 for m in client.get_metric_history(run_id, "train/loss")}
+
+
+def one_run(args, scenario: str, tmp: Path) -> dict:
+    from ray.cluster_utils import Cluster
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ampflow-rt-", dir="/tmp"))  # short: Ray's socket paths are limited
+    (ray_tmp / "ray").mkdir()
+    marker = tmp / f"{scenario}.marker"
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    path = job(args, tmp, scenario, marker, str(tmp / f"{scenario}-storage"))
+    command = [sys.executable, "-m", "orchestrator.submit", str(path)]
+    cluster = None
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(ray_tmp)
+    try:
+        if scenario == "node-loss":
+            head = {"num_cpus": 0, "temp_dir": str(ray_tmp / "ray"), "include_dashboard": False}  # no port 8265
+            if not args.default_health_checks:
+                head["_system_config"] = FAST_NODE_DEATH
+            cluster = Cluster(initialize_head=True, head_node_args=head)
+            for _ in range(3):
+                cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            command += ["--address", cluster.address]
+        with open(tmp / f"{scenario}.console", "w") as console:
+            driver = subprocess.Popen(command, cwd=tmp, env=env_for(ray_tmp), stdout=console, stderr=subprocess.STDOUT)
+        try:
+            where = json.loads(wait(lambda: marker.exists() and marker.read_text(), driver, 300, "the step to strike"))
+            def step_before_logged():
+                found = logged(uri, scenario)
+                return found and args.at_step - 1 in loss_steps(found[0], found[1].info.run_id)
+
+            wait(step_before_logged, driver, 60, f"step {args.at_step - 1} logged")
+            struck_at = time.time()
+            if scenario == "node-loss":
+                (node,) = [n for n in cluster.worker_nodes if n.node_id == where["node_id"]]
+                cluster.remove_node(node, allow_graceful=False)
+            else:
+                os.kill(where["pid"], signal.SIGTERM)
+            if driver.wait(timeout=600) != 0:
+                raise RuntimeError(f"submit failed:\n{(tmp / f'{scenario}.console').read_text()[-3000:]}")
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    client, run = logged(uri, scenario)
+    tags = run.data.tags
+    # The first step the struck attempt never reported: the struck step itself after a loss (its report never
+    # came), the one after it after a notice (the struck step was finished and checkpointed).
+    first_new = loss_steps(client, run.info.run_id)[max(args.at_step, int(tags["resumed_from_step"]) + 1)]
+    redone = int(tags["steps_redone"]) if scenario == "node-loss" else args.at_step - int(tags["resumed_from_step"])
+    return {"recovery_s": first_new - struck_at, "steps_redone": redone,
+            "resumed_from_step": int(tags["resumed_from_step"]), "told": "node_lost" in tags}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default="node-loss,preemption")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=4, help="checkpoint.every_n_steps")
+    parser.add_argument("--at-step", type=int, default=7, help="the step struck")
+    parser.add_argument("--default-health-checks", action="store_true",
+                        help="Ray's own node health checks (declares a lost node dead after ~15 s or more)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    figures: dict[str, list[dict]] = {}
+    for repeat in range(args.repeats):
+        for scenario in args.scenarios.split(","):
+            with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+                result = one_run(args, scenario, Path(tmp))
+            figures.setdefault(scenario, []).append(result)
+            print(f"{scenario} #{repeat + 1}: {result['recovery_s']:.1f} s to the first new step, "
+                  f"{result['steps_redone']} step(s) redone (resumed from step {result['resumed_from_step']})",
+                  flush=True)
+    print("\n| scenario | recovery_s (median) | steps redone | repeats |\n| --- | --- | --- | --- |")
+    for scenario, results in figures.items():
+        print(f"| {scenario} | {statistics.median(r['recovery_s'] for r in results):.1f} | "
+              f"{sorted({r['steps_redone'] for r in results})} | {len(results)} |")
+    if args.json:
+        import torch
+
+        medians = {f"{scenario}_recovery_s": statistics.median(r["recovery_s"] for r in results)
+                   for scenario, results in figures.items()}
+        args.json.write_text(json.dumps({
+            "harness": "recovery", "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+            "torch": torch.__version__, "config": vars(args) | {"json": str(args.json)}, "figures": figures,
+            "ratios": medians, "targets": {},
+            "command": " ".join(["python -m bench.recovery", *(argv or sys.argv[1:])])}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
