@@ -7,7 +7,7 @@ and starts the first step's audit; then a training step reads
     with precision.forward():
         loss = loss_fn(model(inputs), targets)
     precision.backward(loss)          # scaled; gradients end where the optimizer reads them
-    outcome = precision.step(optimizer, loss, step)   # guarded: stepped, or skipped on every rank
+    outcome = precision.step(optimizer, loss, step)   # guarded: stepped or skipped on every rank, on the device
 
 and the object does the rest: autocast, the GradScaler, master-weight sync, the agreed skip, the
 audit of what each layer really ran in, and the memory ledger of the first step.
@@ -51,6 +51,8 @@ class Precision:
             raise RuntimeError(f"precision: {problem}")
         self.guard = GuardedScaler(self.policy.amp, section.scaler, device, rank, world_size,
                                    enabled=self.policy.scaler_enabled, on_nonfinite_grads=section.on_nonfinite_grads)
+        self.guard.on_settled.append(self._settled)
+        self._optimizer: Optional[torch.optim.Optimizer] = None
         self.masters: Optional[MasterWeights] = None
         self.audit: Optional[Audit] = None
         """Records the first step's output dtypes; None once closed."""
@@ -120,15 +122,23 @@ class Precision:
              clip_grad_norm: Optional[float] = None,
              clip_with: Callable[[torch.optim.Optimizer, Optional[float]], Optional[torch.Tensor]] = clip
              ) -> StepOutcome:
-        """Step or skip, the same on every rank (gradients unscaled, then clipped to `clip_grad_norm` on a step
-        that is taken, by `clip_with`: the strategy's); after a step the masters are rounded back into the model."""
+        """Step or skip, the same on every rank, decided on the device (gradients unscaled, then clipped to
+        `clip_grad_norm` by `clip_with`: the strategy's); then the masters are rounded back into the model (on a
+        skipped step they did not move: the model keeps its values)."""
+        self._optimizer = optimizer
         outcome = self.guard.step(optimizer, loss, step, self.named_tensors, clip_grad_norm, clip_with)
-        if outcome.stepped:
-            if self.masters:
-                self.masters.masters_to_params()
-            if self.ledger is not None and not self.ledger.complete:
-                self.ledger.record_state(optimizer, self.masters)
+        if self.masters:
+            self.masters.masters_to_params()
         return outcome
+
+    def settle(self) -> None:
+        """Read every step's flags not read yet (waiting for the device): see `GuardedScaler.settle`."""
+        self.guard.settle()
+
+    def _settled(self, outcome: StepOutcome) -> None:
+        """After the first step taken: the optimizer state's bytes for the memory ledger."""
+        if outcome.stepped and self.ledger is not None and not self.ledger.complete and self._optimizer is not None:
+            self.ledger.record_state(self._optimizer, self.masters)
 
     # -- the audit ----------------------------------------------------------------------------------
 
@@ -151,7 +161,8 @@ class Precision:
     # -- state --------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss scaler and the guardrail counters (part of a train state)."""
+        """The loss scaler and the guardrail counters (part of a train state), every step's flags read first."""
+        self.guard.settle()
         return {"scaler": self.guard.scaler.state_dict(), "counters": asdict(self.guard.counters)}
 
     def load_state_dict(self, scaler: Optional[dict[str, Any]], counters: Optional[dict[str, Any]]) -> None:

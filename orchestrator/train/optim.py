@@ -10,7 +10,8 @@ name, so they hold the fp32 masters where the policy keeps some.
 `optim.schedule` is a built-in (`none`, `cosine`, `onecycle`; `optim.warmup_fraction` puts a linear warmup
 first) or an import path to an `LRScheduler` class (with `optim.schedule_kwargs`) or to a factory
 `(optimizer, total_steps, **schedule_kwargs) -> LRScheduler`. The schedule advances once per optimizer step
-that is taken (`should_step_schedule`).
+that is taken (`should_step_schedule`), as soon as the host knows the step was taken: at the latest before the
+next step's update, so every update runs at the rate a host-decided schedule would give it.
 
 The section is checked when the config is loaded (`orchestrator.config.optim`); `check_on_model()` builds
 both in pre-flight, on the model.
@@ -27,7 +28,7 @@ from orchestrator.config.imports import is_import_path
 from orchestrator.config.optim import (IMPLEMENTATION_FLAGS, OPTIMIZERS, accepts, optimizer_class, plain,
                                        schedule_call, schedule_target)
 from orchestrator.errors import BadInput
-from orchestrator.precision.scaling import StepOutcome
+from orchestrator.precision.outcome import StepOutcome
 
 ONECYCLE_WARMUP = 0.25
 """onecycle's warmup (its `pct_start`) when `optim.warmup_fraction` is null."""

@@ -25,7 +25,7 @@ from orchestrator.train.fsdp import local
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
-from orchestrator.train.optim import build_optimizer, build_scheduler
+from orchestrator.train.optim import build_optimizer, build_scheduler, should_step_schedule
 from orchestrator.train.resume import IncompatibleResume, model_mismatch
 from orchestrator.train.state import TrainState
 from orchestrator.train.strategy import Strategy, make_strategy
@@ -104,7 +104,7 @@ class Training:
         return self._state(*self.strategy.snapshot_state(self.precision, self.optimizer))
 
     def _state(self, model: dict[str, Any], optimizer: dict[str, Any]) -> TrainState:
-        scaling = self.precision.state_dict()
+        scaling = self.precision.state_dict()  # first: every step's flags read, the schedule stepped for them
         return TrainState(model=model, optimizer=optimizer,
                           scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
                           scaler=scaling["scaler"], counters=scaling["counters"], promoted=list(self.promoted))
@@ -166,5 +166,7 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
         if scheduler is not None and state.scheduler:
             scheduler.load_state_dict(state.scheduler)
         precision.load_state_dict(state.scaler, state.counters)
+    if scheduler is not None:  # once per step taken, as soon as the host knows it was (before the next step's update)
+        precision.guard.on_settled.append(lambda outcome: scheduler.step() if should_step_schedule(outcome) else None)
     return Training(prepared, optimizer, scheduler, precision, promoted, cfg.optim.clip_grad_norm,
                     task.build_loss(cfg.task), task.build_metrics(cfg.task), strategy)
