@@ -42,11 +42,12 @@ Named = Sequence[tuple[str, torch.Tensor]]
 # -- the optimizer --------------------------------------------------------------------------------
 
 
-def section_settings(optim_cfg) -> dict[str, Any]:
+def section_settings(optim_cfg, fused: bool = False) -> dict[str, Any]:
     """The constructor's keyword arguments from the section (its default group's settings).
 
     A built-in gets its own fields (`momentum`, `betas`, ...); an import-path optimizer gets `lr`, `weight_decay`
-    when it takes one, and the `implementation` flag; `optim.kwargs` go to both."""
+    when it takes one, and the `implementation` flag; `optim.kwargs` go to both. `fused`: `auto` means the fused
+    kernel (`orchestrator.train.fast.fused_optimizer`)."""
     cls = optimizer_class(optim_cfg)
     name = optim_cfg.name
     settings: dict[str, Any] = {"lr": optim_cfg.lr}
@@ -56,7 +57,8 @@ def section_settings(optim_cfg) -> dict[str, Any]:
         settings.update(betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
     if name in OPTIMIZERS or accepts(cls, "weight_decay"):
         settings["weight_decay"] = optim_cfg.weight_decay
-    settings.update(IMPLEMENTATION_FLAGS[optim_cfg.implementation])
+    settings.update({"fused": True} if fused and optim_cfg.implementation == "auto"
+                    else IMPLEMENTATION_FLAGS[optim_cfg.implementation])
     settings.update({key: plain(value) for key, value in optim_cfg.kwargs.items()})
     return settings
 
@@ -105,10 +107,10 @@ def assign_groups(optim_cfg, named: Named, model: Optional[nn.Module] = None) ->
     return groups
 
 
-def build_grouped(optim_cfg, groups: Sequence[Sequence[torch.Tensor]]) -> torch.optim.Optimizer:
+def build_grouped(optim_cfg, groups: Sequence[Sequence[torch.Tensor]], fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer over `groups` (the default group's tensors, then one list per `optim.param_groups` entry,
     empty ones kept so a group's index is its place in the config)."""
-    cls, settings = optimizer_class(optim_cfg), section_settings(optim_cfg)
+    cls, settings = optimizer_class(optim_cfg), section_settings(optim_cfg, fused)
     if not optim_cfg.param_groups:  # one group, as torch builds it from a plain list of tensors
         return cls(list(groups[0]), **settings)
     param_groups = [{"params": list(groups[0])}]
@@ -118,16 +120,16 @@ def build_grouped(optim_cfg, groups: Sequence[Sequence[torch.Tensor]]) -> torch.
 
 
 def build_optimizer(optim_cfg, params: Iterable[Union[torch.Tensor, tuple[str, torch.Tensor]]],
-                    model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+                    model: Optional[nn.Module] = None, fused: bool = False) -> torch.optim.Optimizer:
     """The job's optimizer over `params`: tensors, or (parameter name, tensor) pairs, which `optim.param_groups`
     needs (e.g. `Precision.named_tensors`: the fp32 master where there is one). `model` is the module the names
-    are from (its modules' class names match too)."""
+    are from (its modules' class names match too). `fused`: `optim.implementation: auto` means the fused kernel."""
     params = list(params)
     if params and isinstance(params[0], tuple):
-        return build_grouped(optim_cfg, assign_groups(optim_cfg, params, model))
+        return build_grouped(optim_cfg, assign_groups(optim_cfg, params, model), fused)
     if optim_cfg.param_groups:
         raise ValueError("optim.param_groups needs the parameters' names: pass (name, tensor) pairs")
-    return build_grouped(optim_cfg, [params])
+    return build_grouped(optim_cfg, [params], fused)
 
 
 def param_group_table(optim_cfg, optimizer: torch.optim.Optimizer, named: Named) -> list[dict[str, Any]]:
