@@ -55,7 +55,9 @@ def test_fsdp_memory_harness(tmp_path):
 def test_fast_paths_harness(tmp_path):
     done, record = run_harness("fast_paths", tmp_path)
     check_record(done, record, "fast_paths", {f"{name}_speedup" for name in
-                                              ("device_loader", "channels_last", "fused", "compile", "all")})
+                                              ("defaults", "device_loader", "channels_last", "fused", "cudnn_benchmark",
+                                               "compile", "all")}
+                 | {"baseline_time_vs_hand_written", "defaults_speedup_vs_hand_written"})
 
 
 @pytest.mark.slow  # trains in processes of its own (the harnesses)
