@@ -213,3 +213,4 @@ def test_steady_state_steps_make_no_cuda_sync_but_gradscaler_s_own(write_job, pr
     assert len(syncs) <= allowed * steps, syncs
     training.precision.settle()
     assert training.precision.guard.metrics()["amp/skipped_steps"] <= 1.0  # fp16 may skip its first steps once
+

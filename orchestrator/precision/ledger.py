@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from orchestrator.precision.shards import is_dtensor
 
 from orchestrator.precision.dtypes import dtype_name
 
@@ -28,7 +28,7 @@ CATEGORIES = ("params", "grads", "optimizer", "master", "activations", "weight_c
 
 def _held(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: its shard of a DTensor, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:

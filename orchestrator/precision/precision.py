@@ -15,17 +15,19 @@ audit of what each layer really ran in, and the memory ledger of the first step.
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from orchestrator.precision.amp import autocast_context
-from orchestrator.precision.fsdp import FsdpAudit, broken_fsdp_promises
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
 from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome, clip
+
+if TYPE_CHECKING:
+    from orchestrator.precision.fsdp import FsdpAudit
 
 
 class PolicyNotHonoured(RuntimeError):
@@ -78,7 +80,7 @@ class Precision:
         self.named_tensors = list(zip(names, self.optimizer_params()))
         return model
 
-    def prepare_sharded(self, model: nn.Module, audit: FsdpAudit,
+    def prepare_sharded(self, model: nn.Module, audit: "FsdpAudit",
                         named_tensors: Sequence[tuple[str, Any]]) -> nn.Module:
         """Under FSDP: `model` was planned, cast and sharded by the strategy (`orchestrator.train.fsdp_strategy`),
         which started `audit`. No masters (the fp32 shards are); the ledger counts this rank's shards;
@@ -153,7 +155,10 @@ class Precision:
             return None
         audit, self.audit = self.audit, None
         entries = audit.close()
-        problems = broken_fsdp_promises(entries) if isinstance(audit, FsdpAudit) else broken_promises(entries)
+        sharded = type(audit).__name__ == "FsdpAudit"  # not imported here: torch's FSDP takes seconds to import
+        if sharded:
+            from orchestrator.precision.fsdp import broken_fsdp_promises
+        problems = broken_fsdp_promises(entries) if sharded else broken_promises(entries)
         if problems:
             raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems))
         return entries

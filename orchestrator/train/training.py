@@ -21,7 +21,7 @@ from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
 from orchestrator.train import fast, task
 from orchestrator.train.batch import Batch
-from orchestrator.train.fsdp import local
+from orchestrator.precision.shards import local
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
