@@ -215,7 +215,8 @@ class PrecisionSection:
     """Without a GradScaler (fp32, bf16, `loss_scale: none`), gradients holding inf or nan, found on any rank:
     `skip` the step on every rank (it counts toward `scaler.max_consecutive_skips`), `fail` the run naming the
     layer, or `warn` and step anyway. Counted in `amp/nonfinite_grad_steps`; checked with one all-reduced flag
-    per step, read on the host. With a GradScaler they are overflows: skipped, the scale backs off."""
+    per step, the skip decided on the device and the flag read late (docs/performance.md). With a GradScaler
+    they are overflows: skipped, the scale backs off."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
     reduce_dtype: str = "float32"

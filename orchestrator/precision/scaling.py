@@ -370,26 +370,27 @@ class _Pending:
     @torch.no_grad()
     def keep_maxabs(self) -> None:
         """For a step read after its gradients may be gone: each gradient's largest |value| (inf or nan where it
-        holds one), on the device in one pass, copied to the host without blocking."""
-        grads = [tensor.grad for _, tensor in self.named_tensors if tensor.grad is not None]
-        if not grads:
+        holds one), on the device in one pass per device and dtype, copied to the host without blocking."""
+        named = [(position, name, tensor.grad) for position, (name, tensor) in enumerate(self.named_tensors)
+                 if tensor.grad is not None]
+        if not named:
             return
-        self.maxabs_names = [name for name, tensor in self.named_tensors if tensor.grad is not None]
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index, grad in enumerate(grads):
-            groups.setdefault((grad.device, grad.dtype), []).append(index)
-        maxabs = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
-        for indices in groups.values():
-            norms = torch._foreach_norm([grads[i] for i in indices], float("inf"))
-            maxabs[torch.tensor(indices, device=maxabs.device)] = torch.stack(norms).float().to(maxabs.device)
-        self.maxabs = HostCopy(maxabs)
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
+        for entry in named:
+            groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
+        where, parts, self.maxabs_names = named[0][2].device, [], []
+        for members in groups.values():  # no host-to-device copy (an index tensor would be one): order kept here
+            norms = torch._foreach_norm([grad for _, _, grad in members], float("inf"))
+            parts.append(torch.stack(norms).float().to(where))
+            self.maxabs_names += [(position, name) for position, name, _ in members]
+        self.maxabs = HostCopy(torch.cat(parts))
 
     def first_nonfinite(self) -> Optional[dict[str, Any]]:
         """The overflow record's fields: from the gradients while they are there; else from `keep_maxabs` (the
         layer, the parameter and the kind; `max_abs_grad` and `nonfinite_count` null)."""
         if self.gradients_there() or self.maxabs is None:
             return first_nonfinite(self.named_tensors) if self.gradients_there() else None
-        for name, value in reversed(list(zip(self.maxabs_names, self.maxabs.values()))):
+        for (_, name), value in sorted(zip(self.maxabs_names, self.maxabs.values()), reverse=True):
             if not math.isfinite(value):
                 return {"layer": _layer_of(name), "param": name, "kind": "nan" if math.isnan(value) else "inf",
                         "max_abs_grad": None, "nonfinite_count": None}
