@@ -4,10 +4,13 @@ The step decides on the device whether its update is applied (`StepOutcome.taken
 its found-inf flag; the host learns why (an overflow, a non-finite loss, non-finite gradients) from a small vector
 copied without blocking into pinned memory (`HostCopy`). The guard reads it once the copy is complete: at once
 where the step waited anyway (on the CPU, or after GradScaler's own check), else one step later, before the next
-optimizer step, or at the next report, checkpoint or epoch end, whichever comes first.
+optimizer step, or at the next report, checkpoint or epoch end, whichever comes first. `Pending` is a step not
+read yet, with what its overflow record needs (`first_nonfinite`: the record's fields from the gradients).
 """
 
-from typing import Any, Callable, Optional
+import math
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -104,3 +107,89 @@ class StepOutcome:
 
     def __repr__(self) -> str:
         return f"StepOutcome({self._fields if self._fields is not None else 'not known yet'})"
+
+
+class Pending:
+    """A step whose flags are on their way to the host, with what its overflow record needs."""
+
+    def __init__(self, number: int, outcome: StepOutcome, flags: HostCopy,
+                 named_tensors: Sequence[tuple[str, torch.Tensor]]):
+        self.number, self.outcome, self.flags, self.named_tensors = number, outcome, flags, named_tensors
+        first = next(((tensor, tensor.grad) for _, tensor in named_tensors if tensor.grad is not None), None)
+        self._first = (_grad_owner(first[0]), weakref.ref(_grad_owner_grad(first[0]))) if first else None
+        self.maxabs: Optional[HostCopy] = None
+
+    def gradients_there(self) -> bool:
+        """Whether this step's gradients are still the tensors' (no later step has replaced them)."""
+        if self._first is None:
+            return False
+        owner, grad = self._first
+        return grad() is not None and owner.grad is grad()
+
+    @torch.no_grad()
+    def keep_maxabs(self) -> None:
+        """For a step read after its gradients may be gone: each gradient's largest |value| (inf or nan where it
+        holds one), on the device in one pass per device and dtype, copied to the host without blocking."""
+        named = [(position, name, tensor.grad) for position, (name, tensor) in enumerate(self.named_tensors)
+                 if tensor.grad is not None]
+        if not named:
+            return
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
+        for entry in named:
+            groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
+        where, parts, self.maxabs_names = named[0][2].device, [], []
+        for members in groups.values():  # no host-to-device copy (an index tensor would be one): order kept here
+            norms = torch._foreach_norm([grad for _, _, grad in members], float("inf"))
+            parts.append(torch.stack(norms).float().to(where))
+            self.maxabs_names += [(position, name) for position, name, _ in members]
+        self.maxabs = HostCopy(torch.cat(parts))
+
+    def first_nonfinite(self) -> Optional[dict[str, Any]]:
+        """The overflow record's fields: from the gradients while they are there; else from `keep_maxabs` (the
+        layer, the parameter and the kind; `max_abs_grad` and `nonfinite_count` null)."""
+        if self.gradients_there() or self.maxabs is None:
+            return first_nonfinite(self.named_tensors) if self.gradients_there() else None
+        for (_, name), value in sorted(zip(self.maxabs_names, self.maxabs.values()), reverse=True):
+            if not math.isfinite(value):
+                return {"layer": _layer_of(name), "param": name, "kind": "nan" if math.isnan(value) else "inf",
+                        "max_abs_grad": None, "nonfinite_count": None}
+        return None
+
+
+def _grad_owner(tensor: Any) -> Any:
+    """The tensor whose `.grad` is replaced each step (a parameter; under FSDP the sharded one behind its view)."""
+    return getattr(tensor, "param", tensor)
+
+
+def _grad_owner_grad(tensor: Any) -> torch.Tensor:
+    return _grad_owner(tensor).grad
+
+
+def _layer_of(param_name: str) -> str:
+    return param_name.rpartition(".")[0] or param_name
+
+
+@torch.no_grad()
+def first_nonfinite(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
+    """The first gradient, in backward order (output side first), holding inf or nan.
+
+    An overflow starts at one layer and spreads toward the input as backward goes on, so the
+    layer nearest the output is where it began. `max_abs_grad`: the largest finite |gradient|
+    of that parameter, unscaled.
+    """
+    grads = [(name, tensor.grad) for name, tensor in reversed(named_tensors) if tensor.grad is not None]
+    if not grads:
+        return None
+    finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
+    for (name, grad), ok in zip(grads, finite):
+        if ok:
+            continue
+        good = torch.isfinite(grad)
+        finite_values = grad[good]
+        return {
+            "layer": _layer_of(name), "param": name,
+            "kind": "nan" if bool(torch.isnan(grad).any()) else "inf",
+            "max_abs_grad": float(finite_values.abs().max()) if finite_values.numel() else None,
+            "nonfinite_count": int((~good).sum()),
+        }
+    return None

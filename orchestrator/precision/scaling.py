@@ -19,15 +19,13 @@
 """
 
 from dataclasses import dataclass, field
-import math
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from orchestrator.precision.amp import AmpSettings
-from orchestrator.precision.outcome import HostCopy, StepOutcome
+from orchestrator.precision.outcome import HostCopy, Pending, StepOutcome, first_nonfinite  # noqa: F401 (re-exported)
 from orchestrator.precision.scaler import PassThroughScaler, make_scaler
 
 
@@ -80,10 +78,6 @@ def _ranks(flags: Sequence[float]) -> list[int]:
     return [rank for rank, flag in enumerate(flags) if flag]
 
 
-def _layer_of(param_name: str) -> str:
-    return param_name.rpartition(".")[0] or param_name
-
-
 @dataclass
 class GuardedScaler:
     amp: AmpSettings
@@ -109,7 +103,7 @@ class GuardedScaler:
         """Steps taken with non-finite gradients (`on_nonfinite_grads: warn`) not reported yet."""
         self.streak_layers: list[str] = []
         """Layers found overflowing during the current run of consecutive skips."""
-        self.pending: list[_Pending] = []
+        self.pending: list[Pending] = []
         """Steps whose flags have not been read on the host yet, oldest first."""
         self.on_settled: list[Callable[[StepOutcome], None]] = []
         """Called with each step's outcome once the host knows it, in step order (the schedule, the memory ledger)."""
@@ -161,7 +155,7 @@ class GuardedScaler:
             if self.dynamic:
                 self.scaler.cap(self.amp.max_scale)
         outcome = StepOutcome((~skip).float(), (~nan_loss).float(), grad_norm, self.settle)
-        pending = _Pending(step, outcome, copy, named_tensors)
+        pending = Pending(step, outcome, copy, named_tensors)
         self.pending.append(pending)
         if copy.ready():
             self.settle()
@@ -187,7 +181,7 @@ class GuardedScaler:
         collapsed, self.collapsed = self.collapsed, None
         return collapsed
 
-    def _read(self, pending: "_Pending", found_by_rank: list[float], nan_by_rank: list[float], scale: float) -> None:
+    def _read(self, pending: "Pending", found_by_rank: list[float], nan_by_rank: list[float], scale: float) -> None:
         """One step's flags, on the host: what was decided on the device, counted, recorded and checked."""
         step, outcome = pending.number, pending.outcome
         if any(nan_by_rank):
@@ -238,7 +232,7 @@ class GuardedScaler:
             return scale
         return float(torch.tensor(scale, dtype=torch.float32) * self.amp.backoff_factor)
 
-    def _nonfinite_grads(self, pending: "_Pending", found_by_rank: list[float]) -> bool:
+    def _nonfinite_grads(self, pending: "Pending", found_by_rank: list[float]) -> bool:
         """No scaler, and a gradient not finite on some rank: counted and recorded; then skipped (returns True:
         the outcome is resolved), failed, or (`warn`) taken (False)."""
         step, outcome = pending.number, pending.outcome
@@ -349,84 +343,3 @@ class GuardedScaler:
             dist.all_gather_object(gathered, layers)
             layers = list(dict.fromkeys(name for part in gathered for name in (part or [])))
         return layers
-
-class _Pending:
-    """A step whose flags are on their way to the host, with what its overflow record needs."""
-
-    def __init__(self, number: int, outcome: StepOutcome, flags: HostCopy,
-                 named_tensors: Sequence[tuple[str, torch.Tensor]]):
-        self.number, self.outcome, self.flags, self.named_tensors = number, outcome, flags, named_tensors
-        first = next(((tensor, tensor.grad) for _, tensor in named_tensors if tensor.grad is not None), None)
-        self._first = (_grad_owner(first[0]), weakref.ref(_grad_owner_grad(first[0]))) if first else None
-        self.maxabs: Optional[HostCopy] = None
-
-    def gradients_there(self) -> bool:
-        """Whether this step's gradients are still the tensors' (no later step has replaced them)."""
-        if self._first is None:
-            return False
-        owner, grad = self._first
-        return grad() is not None and owner.grad is grad()
-
-    @torch.no_grad()
-    def keep_maxabs(self) -> None:
-        """For a step read after its gradients may be gone: each gradient's largest |value| (inf or nan where it
-        holds one), on the device in one pass per device and dtype, copied to the host without blocking."""
-        named = [(position, name, tensor.grad) for position, (name, tensor) in enumerate(self.named_tensors)
-                 if tensor.grad is not None]
-        if not named:
-            return
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
-        for entry in named:
-            groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
-        where, parts, self.maxabs_names = named[0][2].device, [], []
-        for members in groups.values():  # no host-to-device copy (an index tensor would be one): order kept here
-            norms = torch._foreach_norm([grad for _, _, grad in members], float("inf"))
-            parts.append(torch.stack(norms).float().to(where))
-            self.maxabs_names += [(position, name) for position, name, _ in members]
-        self.maxabs = HostCopy(torch.cat(parts))
-
-    def first_nonfinite(self) -> Optional[dict[str, Any]]:
-        """The overflow record's fields: from the gradients while they are there; else from `keep_maxabs` (the
-        layer, the parameter and the kind; `max_abs_grad` and `nonfinite_count` null)."""
-        if self.gradients_there() or self.maxabs is None:
-            return first_nonfinite(self.named_tensors) if self.gradients_there() else None
-        for (_, name), value in sorted(zip(self.maxabs_names, self.maxabs.values()), reverse=True):
-            if not math.isfinite(value):
-                return {"layer": _layer_of(name), "param": name, "kind": "nan" if math.isnan(value) else "inf",
-                        "max_abs_grad": None, "nonfinite_count": None}
-        return None
-
-
-def _grad_owner(tensor: Any) -> Any:
-    """The tensor whose `.grad` is replaced each step (a parameter; under FSDP the sharded one behind its view)."""
-    return getattr(tensor, "param", tensor)
-
-
-def _grad_owner_grad(tensor: Any) -> torch.Tensor:
-    return _grad_owner(tensor).grad
-
-
-@torch.no_grad()
-def first_nonfinite(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
-    """The first gradient, in backward order (output side first), holding inf or nan.
-
-    An overflow starts at one layer and spreads toward the input as backward goes on, so the
-    layer nearest the output is where it began. `max_abs_grad`: the largest finite |gradient|
-    of that parameter, unscaled.
-    """
-    grads = [(name, tensor.grad) for name, tensor in reversed(named_tensors) if tensor.grad is not None]
-    if not grads:
-        return None
-    finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
-    for (name, grad), ok in zip(grads, finite):
-        if ok:
-            continue
-        good = torch.isfinite(grad)
-        finite_values = grad[good]
-        return {
-            "layer": _layer_of(name), "param": name,
-            "kind": "nan" if bool(torch.isnan(grad).any()) else "inf",
-            "max_abs_grad": float(finite_values.abs().max()) if finite_values.numel() else None,
-            "nonfinite_count": int((~good).sum()),
-        }
-    return None
