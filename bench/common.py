@@ -185,6 +185,7 @@ class LoopStepper:
 
     def report(self):
         loop = self.loop
+        loop.training.precision.settle()  # as the loop does before a report: every step's flags read
         report = loop.new_report(0)
         report.metrics.update(loop.read_window())
         loop.seq += 1

@@ -1,9 +1,10 @@
 """Memory per rank under FSDP vs DDP: parameters + gradients + optimizer state (+ fp32 masters), measured.
 
 For each preset, two ranks (torch.multiprocessing, gloo, CPU) build the same model and take one training step
-twice: under DDP as the worker does (`build_training` + `train_step`: every rank holds the whole model, its
-gradients, its optimizer state and, under O2, the fp32 masters) and under FSDP (`FsdpStrategy`: each rank holds
-its shards; under O2 the fp32 shards are the masters). Each rank's bytes are read on its live tensors (the
+twice, each time as the worker does (`build_training` + `train_step`, the product's own step): under DDP (every
+rank holds the whole model, its gradients, its optimizer state and, under O2, the fp32 masters) and under FSDP
+(`scaling.strategy: fsdp`: each rank holds its shards; under O2 the fp32 shards are the masters). The loss scale
+starts at 128 so that the first fp16 step is taken (a skipped one would leave Adam's state unmade). Each rank's bytes are read on its live tensors (the
 memory ledger's categories); rank 0 holds the most under FSDP (it gets the larger half of each odd first
 dimension). The ratio is FSDP's bytes over DDP's on rank 0; with two ranks it is about 0.5 when nothing
 but sharding changes (O0), lower where FSDP drops a copy (O2: no fp16 parameters beside the fp32 masters).
@@ -32,15 +33,9 @@ def rank_main(rank: int, world_size: int, job: dict, directory: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from orchestrator.precision.fsdp import FsdpSettings
-    from orchestrator.precision.policy import Policy
-    from orchestrator.precision.scaling import GuardedScaler
     from orchestrator.train.fsdp_memory import predict_rank_bytes
-    from orchestrator.train.fsdp_strategy import FsdpStrategy
     from orchestrator.train.local import exit_rank
     from orchestrator.precision.ledger import bytes_by_dtype, optimizer_state_tensors
-    from orchestrator.train.models import build_model
-    from orchestrator.train.optim import build_optimizer
     from orchestrator.train.step import train_step
     from orchestrator.train.training import build_training
 
@@ -63,17 +58,11 @@ def rank_main(rank: int, world_size: int, job: dict, directory: str) -> None:
     del training, model, masters, pairs
 
     torch.manual_seed(0)
-    policy = Policy.from_config(cfg.precision)
-    strategy = FsdpStrategy(FsdpSettings.from_config(cfg.scaling, cfg.precision), cpu, rank, world_size)
-    sharded, _ = strategy.wrap(build_model(cfg.model), policy)
-    optimizer = build_optimizer(cfg.optim, strategy.optimizer_params())
-    guard = GuardedScaler(policy.amp, cfg.precision.scaler, cpu, rank, world_size, enabled=policy.scaler_enabled)
-    from orchestrator.precision.amp import autocast_context
-
-    with autocast_context(policy.amp, "cpu"):
-        loss = torch.nn.functional.cross_entropy(sharded(inputs).float(), targets)
-    guard.scale(loss).backward()
-    optimizer.step()  # not guard.step: a first fp16 step may overflow and be skipped, leaving Adam's state unmade
+    training = build_training(cfg, cpu, rank=rank, world_size=world_size, total_steps=1)  # the job's fsdp
+    _, outcome = train_step(training, inputs, targets, cpu, 1)
+    if not outcome.stepped:
+        raise RuntimeError("the FSDP step was skipped (a non-finite gradient): its optimizer state is not made")
+    strategy, sharded, optimizer = training.strategy, training.prepared.raw, training.optimizer
     fsdp = strategy.memory(optimizer)
     states = 2 if cfg.optim.name in ("adam", "adamw") else int(cfg.optim.momentum > 0)
     predicted = predict_rank_bytes(sharded, strategy.plan, world_size, rank=rank, optimizer_states=states)
@@ -103,7 +92,8 @@ def main(argv=None) -> int:
     figures, ratios, targets, rows = {}, {}, {}, []
     for preset in presets:
         cfg = common.job_config({"model": {"name": model}, "data": {"name": "synthetic"},
-                                 "precision": {"preset": preset}, "optim": {"name": args.optimizer},
+                                 "precision": {"preset": preset, "init_scale": 128.0},
+                                 "optim": {"name": args.optimizer},
                                  "run": {"batch_size": 2}, "scaling": {"strategy": "fsdp"}})
         from omegaconf import OmegaConf
 

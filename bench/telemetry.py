@@ -4,8 +4,9 @@ What is compared (one process, no Ray, fp16 autocast + dynamic loss scaling, pre
 model, weights, batches and optimizer):
 
 - `full`: what a worker does per step apart from data loading and DDP: the training loop's own
-  `train_step` (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector
-  and read once, counters, collapse guardrails; MemoryLedger; overflow attribution when a step
+  `train_step` (GuardedScaler: unscale, found-inf and non-finite-loss flags gathered in one vector,
+  the skip decided on the device, the vector copied to the host without blocking and read late; counters,
+  collapse guardrails; MemoryLedger; overflow attribution when a step
   overflows; every hook; the loss `Window`), and every `--log-every` steps a report as the loop makes
   it (the window read, every hook's `collect`: loss-scale telemetry, the replay outbox, the system
   metrics sampled every `--system-metrics-interval` seconds). On Ray the report then goes to
@@ -13,15 +14,16 @@ model, weights, batches and optimizer):
   MLflow's, not the loop's.
 - `none`: `torch.autocast` + `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`.
 
-Both make one host sync per step (GradScaler.step reads found-inf; GuardedScaler reads its flag
-vector instead), so the difference is the bookkeeping.
+Both make one host sync per step, GradScaler's own (`scaler.step` reads found-inf; none with a fused
+optimizer); GuardedScaler adds none, so the difference is the bookkeeping.
 
 Without a GradScaler (fp32, bf16) the loop still checks every step's gradients and loss with one all-reduced
-flag vector read on the host (`precision.on_nonfinite_grads`). Its cost is measured apart, on preset O0 (fp32),
+flag vector (`precision.on_nonfinite_grads`), the skip decided on the device by a scale-1 GradScaler. Its cost is measured apart, on preset O0 (fp32),
 the loop's step against itself: `checked` is the loop step as it runs; `unchecked` is the same loop whose guard
 steps the optimizer without computing or reading the flags (a stand-in built here, never used by training).
-The difference is the check: GradScaler's non-finite kernel over the gradients, the loss's isfinite and one
-host read (plus, on several ranks, one all-reduce of 2 x world-size floats).
+The difference is the check: GradScaler's non-finite kernel over the gradients, the loss's isfinite, the skip
+(GradScaler's own check of its flag: one host read with an optimizer that is not fused) and the flags' copy
+(plus, on several ranks, one all-reduce of 2 x world-size floats).
 
 The step watchdog (`failure.step_timeout_s`) is measured the same way, on preset O0: `watched` is the loop step
 with the watchdog hook (its thread started, a timestamp stored at each step's end), `unwatched` the same loop with
@@ -78,7 +80,8 @@ def time_mlflow_writer(reports: list, repeats: int) -> dict[str, float]:
 def without_grad_check(guard) -> None:
     """Make `guard` (a GuardedScaler without a scaler) step without the per-step flags: clip, step, count, as a
     loop that trusts its gradients would. The baseline of the gradient check's cost, for this harness only."""
-    from orchestrator.precision.scaling import StepOutcome, clip
+    from orchestrator.precision.outcome import StepOutcome
+    from orchestrator.precision.scaling import clip
 
     assert not guard.scaler.is_enabled()
 
@@ -87,9 +90,23 @@ def without_grad_check(guard) -> None:
         grad_norm = clip_with(optimizer, clip_grad_norm)
         optimizer.step()
         guard._clean_step()
-        return StepOutcome(stepped=True, grad_norm=grad_norm)
+        one = torch.ones((), device=loss.device)
+        return StepOutcome(one, one, grad_norm, lambda: None).resolve(stepped=True)
 
     guard.step = step
+
+
+def check_alone(guard, optimizer, loss: torch.Tensor) -> None:
+    """The gradient check as the guard makes it, on the latest gradients: GradScaler's non-finite kernel with a
+    scale of 1, the loss's isfinite, the flags copied to the host and read (one host read here)."""
+    from orchestrator.precision.outcome import HostCopy
+
+    skipper = guard.skipper
+    skipper.scale_tensor(loss.device)
+    skipper.unscale_(optimizer)
+    found = torch.stack([flag.reshape(()) for flag in skipper.found_inf_flags(optimizer)]).sum()
+    HostCopy(torch.stack([found, (~torch.isfinite(loss)).float()])).values()
+    skipper.update()
 
 
 def time_grad_check(device, model_name: str, batch: int, batches: list, *, warmup: int, repeats: int,
@@ -109,7 +126,7 @@ def time_grad_check(device, model_name: str, batch: int, batches: list, *, warmu
     try:
         return common.interleaved({"checked": lambda: checked.step(*next(streams["checked"])),
                                    "unchecked": lambda: unchecked.step(*next(streams["unchecked"])),
-                                   "alone": lambda: guard._agree(optimizer, loss)},
+                                   "alone": lambda: check_alone(guard, optimizer, loss)},
                                   warmup=warmup, repeats=repeats, steps=steps, sync=common.synchronize(device))
     finally:
         checked.close()

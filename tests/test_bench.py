@@ -55,7 +55,16 @@ def test_fsdp_memory_harness(tmp_path):
 def test_fast_paths_harness(tmp_path):
     done, record = run_harness("fast_paths", tmp_path)
     check_record(done, record, "fast_paths", {f"{name}_speedup" for name in
-                                              ("device_loader", "channels_last", "fused", "compile", "all")})
+                                              ("defaults", "device_loader", "channels_last", "fused", "cudnn_benchmark",
+                                               "compile", "all")}
+                 | {"baseline_time_vs_hand_written", "defaults_speedup_vs_hand_written"})
+
+
+@pytest.mark.slow  # starts processes of its own (the harness)
+def test_startup_harness(tmp_path):
+    done, record = run_harness("startup", tmp_path)
+    check_record(done, record, "startup", {"ray_free_loop_extra_s", "ray_train_worker_extra_s"})
+    assert set(record["figures"]["seconds"]) == {"hand_written", "ray_free_loop", "ray_train_worker", "ddp_wrap"}
 
 
 @pytest.mark.slow  # trains in processes of its own (the harnesses)

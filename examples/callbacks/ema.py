@@ -36,9 +36,11 @@ class WeightAverage:
 
     @torch.no_grad()
     def after_step(self, loop, step) -> None:
-        if step.outcome.stepped:  # a step the loss scaler skipped changed no weight
-            for name, tensor in self.weights(loop).items():
-                self.average[name].lerp_(tensor.float(), 1.0 - self.decay)
+        # A step the loss scaler skipped changed no weight: `taken` (1 or 0, decided on the device) leaves the
+        # average as it is then, without the host waiting for the device to know which it was.
+        weight = step.outcome.taken * (1.0 - self.decay)
+        for name, tensor in self.weights(loop).items():
+            self.average[name].lerp_(tensor.float(), weight.to(self.average[name].device))
 
     @torch.no_grad()
     def end_epoch(self, loop, report) -> None:

@@ -62,8 +62,10 @@ class DataSection:
     """Keyword arguments for an import-path dataset factory."""
     transforms: TransformsSection = field(default_factory=TransformsSection)
     """Image transforms for torchvision datasets and ImageFolder (ToTensor always)."""
-    loader: str = "dataloader"
-    """`dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
+    loader: str = "auto"
+    """`auto` (`device` on a CUDA device for a dataset of (inputs, targets) tensors taking at most a quarter of the
+    free device memory, with no loader processes, collate function or named inputs; `dataloader` otherwise),
+    `dataloader` (torch DataLoader, `loader_workers` processes) or `device`: the whole dataset resident on the
     worker's device, each rank taking its shard, augmentation on the device, no loader processes. `device` holds
     (inputs, targets) tensors of any dtype (a TensorDataset, the built-in datasets); samples that need a collate
     function (`data.collate`) or a batch of named parts (`task.inputs`) need `dataloader`."""
@@ -150,8 +152,9 @@ class OptimSection:
     schedule (`none` then stays constant, `cosine` anneals over the rest); onecycle's own warmup (its
     `pct_start`, 0.25 when null). null: no warmup."""
     implementation: str = "auto"
-    """Optimizer kernels: `auto` (torch's choice: foreach on accelerators), `foreach` (one kernel per op over all
-    tensors), `fused` (one kernel per step; CUDA and CPU) or `for_loop` (one op per tensor)."""
+    """Optimizer kernels: `auto` (the fused kernel for sgd, adam and adamw on a CUDA device under DDP, else torch's
+    choice: foreach on accelerators), `foreach` (one kernel per op over all tensors), `fused` (one kernel per step;
+    CUDA and CPU) or `for_loop` (one op per tensor)."""
     clip_grad_norm: Optional[float] = None
     """Clip the gradients to this total norm every step (null: no clipping): after the loss scale is taken out,
     on the fp32 masters where there are some, never on a step the scaler skips. `train/grad_norm` logs the norm
@@ -223,7 +226,8 @@ class PrecisionSection:
     """Without a GradScaler (fp32, bf16, `loss_scale: none`), gradients holding inf or nan, found on any rank:
     `skip` the step on every rank (it counts toward `scaler.max_consecutive_skips`), `fail` the run naming the
     layer, or `warn` and step anyway. Counted in `amp/nonfinite_grad_steps`; checked with one all-reduced flag
-    per step, read on the host. With a GradScaler they are overflows: skipped, the scale backs off."""
+    per step, the skip decided on the device and the flag read late (docs/performance.md). With a GradScaler
+    they are overflows: skipped, the scale backs off."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
     reduce_dtype: str = "float32"
@@ -297,8 +301,15 @@ class DdpSection:
 class PerfSection:
     """Execution switches that change speed, not the maths (see docs/performance.md)."""
 
-    channels_last: bool = False
-    """Store 4-D activations and conv weights as NHWC (faster convolutions on tensor cores)."""
+    channels_last: Optional[bool] = None
+    """Store 4-D activations and conv weights as NHWC (faster convolutions on tensor cores). null: on for a model
+    with 2-D convolutions on a CUDA device (not under FSDP), off elsewhere."""
+    cudnn_benchmark: Optional[bool] = None
+    """cuDNN times its convolution algorithms once per input shape and keeps the fastest (torch.backends.cudnn
+    .benchmark). null: on for a CUDA device."""
+    pinned_transfers: bool = True
+    """On a CUDA device, a DataLoader's batches are pinned in host memory and copied to the device without
+    blocking (false: pageable memory, blocking copies)."""
     compile: bool = False
     """Compile the model with torch.compile (slower first steps, faster steady state)."""
     compile_backend: str = "inductor"
@@ -456,7 +467,7 @@ class JobConfig:
     ddp: DdpSection = field(default_factory=DdpSection)
     """DistributedDataParallel knobs: buckets, gradient views, static graph, gradient compression."""
     perf: PerfSection = field(default_factory=PerfSection)
-    """Fast paths: channels_last, torch.compile."""
+    """Fast paths: channels_last, cudnn.benchmark, pinned transfers, torch.compile."""
     run: RunSection = field(default_factory=RunSection)
     """Epochs, batch size, seed, evaluation cadence."""
     tracking: TrackingSection = field(default_factory=TrackingSection)

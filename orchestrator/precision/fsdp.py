@@ -32,11 +32,13 @@ dtype of its shards, the dtype it computed in and the dtype it handed on.
 import fnmatch
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from orchestrator.errors import BadInput
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
@@ -72,7 +74,7 @@ class Unit:
     """What its parameters are gathered in for forward and backward."""
     storage_dtype: torch.dtype
     """What this rank's shards of its parameters are stored in (and the optimizer steps)."""
-    mp_policy: MixedPrecisionPolicy
+    mp_policy: "MixedPrecisionPolicy"
     params: tuple[str, ...]
     """The parameters it manages (qualified names; those of units inside it are theirs)."""
 
@@ -189,9 +191,11 @@ def plan_units(model: nn.Module, policy: Policy, plans: dict[str, LayerPlan], se
 
 
 def _mp_policy(model: nn.Module, name: str, policy: Policy, plans: dict[str, LayerPlan], settings: FsdpSettings,
-               unit_of: dict[str, str], device_type: str) -> MixedPrecisionPolicy:
+               unit_of: dict[str, str], device_type: str) -> "MixedPrecisionPolicy":
     """Under autocast FSDP casts nothing (autocast decides per op, and a rule's region casts its own inputs, as under
     DDP); without it, the unit's inputs go to its dtype and its output back to the dtype of the unit around it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # seconds to import: only runs under FSDP need it
+
     compute = plans[name].param_dtype
     if not name:
         return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=settings.reduce_dtype,

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from orchestrator.precision.shards import is_dtensor
 
 from orchestrator.precision.dtypes import dtype_name
 
@@ -29,7 +29,7 @@ CATEGORIES = ("params", "grads", "optimizer", "master", "activations", "weight_c
 def _held(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: its shard of a DTensor, else the tensor itself; the plain tensor inside a
     wrapper subclass (torchao's float8 weights under FSDP2)."""
-    held = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    held = tensor.to_local() if is_dtensor(tensor) else tensor
     while type(held) not in (torch.Tensor, torch.nn.Parameter) and hasattr(held, "__tensor_flatten__"):
         names, _ = held.__tensor_flatten__()
         held = getattr(held, names[0])

@@ -7,7 +7,7 @@ and starts the first step's audit; then a training step reads
     with precision.forward():
         loss = loss_fn(model(inputs), targets)
     precision.backward(loss)          # scaled; gradients end where the optimizer reads them
-    outcome = precision.step(optimizer, loss, step)   # guarded: stepped, or skipped on every rank
+    outcome = precision.step(optimizer, loss, step)   # guarded: stepped or skipped on every rank, on the device
 
 and the object does the rest: autocast, the GradScaler, master-weight sync, the agreed skip, the
 audit of what each layer really ran in, and the memory ledger of the first step.
@@ -15,18 +15,20 @@ audit of what each layer really ran in, and the memory ledger of the first step.
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from orchestrator.precision.amp import autocast_context
-from orchestrator.precision.fsdp import FsdpAudit, broken_fsdp_promises
 from orchestrator.precision.float8 import convert_float8, float8_layers
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
 from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome, clip
+
+if TYPE_CHECKING:
+    from orchestrator.precision.fsdp import FsdpAudit
 
 
 class PolicyNotHonoured(RuntimeError):
@@ -60,6 +62,8 @@ class Precision:
             raise RuntimeError(f"precision: {problem}")
         self.guard = GuardedScaler(self.policy.amp, section.scaler, device, rank, world_size,
                                    enabled=self.policy.scaler_enabled, on_nonfinite_grads=section.on_nonfinite_grads)
+        self.guard.on_settled.append(self._settled)
+        self._optimizer: Optional[torch.optim.Optimizer] = None
         self.masters: Optional[MasterWeights] = None
         self.audit: Optional[Audit] = None
         """Records the first step's output dtypes; None once closed."""
@@ -86,7 +90,7 @@ class Precision:
         self.named_tensors = list(zip(names, self.optimizer_params()))
         return model
 
-    def prepare_sharded(self, model: nn.Module, audit: FsdpAudit,
+    def prepare_sharded(self, model: nn.Module, audit: "FsdpAudit",
                         named_tensors: Sequence[tuple[str, Any]]) -> nn.Module:
         """Under FSDP: `model` was planned, cast and sharded by the strategy (`orchestrator.train.fsdp_strategy`),
         which started `audit`. No masters (the fp32 shards are); the ledger counts this rank's shards;
@@ -130,15 +134,23 @@ class Precision:
              clip_grad_norm: Optional[float] = None,
              clip_with: Callable[[torch.optim.Optimizer, Optional[float]], Optional[torch.Tensor]] = clip
              ) -> StepOutcome:
-        """Step or skip, the same on every rank (gradients unscaled, then clipped to `clip_grad_norm` on a step
-        that is taken, by `clip_with`: the strategy's); after a step the masters are rounded back into the model."""
+        """Step or skip, the same on every rank, decided on the device (gradients unscaled, then clipped to
+        `clip_grad_norm` by `clip_with`: the strategy's); then the masters are rounded back into the model (on a
+        skipped step they did not move: the model keeps its values)."""
+        self._optimizer = optimizer
         outcome = self.guard.step(optimizer, loss, step, self.named_tensors, clip_grad_norm, clip_with)
-        if outcome.stepped:
-            if self.masters:
-                self.masters.masters_to_params()
-            if self.ledger is not None and not self.ledger.complete:
-                self.ledger.record_state(optimizer, self.masters)
+        if self.masters:
+            self.masters.masters_to_params()
         return outcome
+
+    def settle(self) -> None:
+        """Read every step's flags not read yet (waiting for the device): see `GuardedScaler.settle`."""
+        self.guard.settle()
+
+    def _settled(self, outcome: StepOutcome) -> None:
+        """After the first step taken: the optimizer state's bytes for the memory ledger."""
+        if outcome.stepped and self.ledger is not None and not self.ledger.complete and self._optimizer is not None:
+            self.ledger.record_state(self._optimizer, self.masters)
 
     # -- the audit ----------------------------------------------------------------------------------
 
@@ -153,7 +165,10 @@ class Precision:
             return None
         audit, self.audit = self.audit, None
         entries = audit.close()
-        problems = broken_fsdp_promises(entries) if isinstance(audit, FsdpAudit) else broken_promises(entries)
+        sharded = type(audit).__name__ == "FsdpAudit"  # not imported here: torch's FSDP takes seconds to import
+        if sharded:
+            from orchestrator.precision.fsdp import broken_fsdp_promises
+        problems = broken_fsdp_promises(entries) if sharded else broken_promises(entries)
         if problems:
             raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems), entries)
         return entries
@@ -161,7 +176,8 @@ class Precision:
     # -- state --------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss scaler and the guardrail counters (part of a train state)."""
+        """The loss scaler and the guardrail counters (part of a train state), every step's flags read first."""
+        self.guard.settle()
         return {"scaler": self.guard.scaler.state_dict(), "counters": asdict(self.guard.counters)}
 
     def load_state_dict(self, scaler: Optional[dict[str, Any]], counters: Optional[dict[str, Any]]) -> None:

@@ -1,17 +1,21 @@
-"""The optimizer step, under a GradScaler or not, agreed by every rank, watched, and guarded.
+"""The optimizer step, under a GradScaler or not, agreed by every rank, decided on the device, read late.
 
 `GuardedScaler.step()` replaces `scaler.step(); scaler.update()` (and a bare `optimizer.step()`):
 
-1. find non-finite gradients on this rank: with a GradScaler, `unscale_()` does it; without one (fp32,
-   bf16), GradScaler's own kernel with a scale of 1 (`scaler.nonfinite_flag`);
-2. all-reduce one small vector holding every rank's found-inf flag and non-finite-loss flag, and read it
-   on the host once: the single sync GradScaler's own `step()` does anyway. Every rank then takes the
-   same decision, and ranks that disagree are seen;
-3. step, skip for an overflow (the scale backs off), skip for a non-finite loss (the scale is left
-   alone, `precision.scaler.on_nan_loss: skip`) or abort; without a scaler, non-finite gradients are
-   skipped, fail the run or are only counted (`precision.on_nonfinite_grads`);
-4. keep the telemetry (`amp/*` metrics), the overflow log, and check the collapse guardrails: every
-   skipped step, whatever the reason, counts toward `max_consecutive_skips`.
+1. find non-finite gradients on this rank: `unscale_()` does it, with a scale of 1 (`PassThroughScaler`) when no
+   loss scaling runs (fp32, bf16);
+2. all-reduce one small vector holding every rank's found-inf flag and non-finite-loss flag, never read on the
+   host in the step: the skip is written into GradScaler's found-inf flags, so `scaler.step()` skips (after its
+   own check, the one sync a hand-written torch.amp loop makes; none with a fused optimizer, which takes the flag
+   into its kernel) and `update()` backs off, identically on every rank. A non-finite loss skips without moving
+   the scale (`precision.scaler.on_nan_loss: skip`; with `abort` the step is skipped too, and the run fails when
+   the flags are read); without a scaler, non-finite gradients are skipped, fail the run (skipped meanwhile) or
+   are only counted (`precision.on_nonfinite_grads`);
+3. copy the vector (and the scale it ran at) without blocking to the host (`orchestrator.precision.outcome`) and
+   read it late: at once where the step waited anyway, else before the next optimizer step, or at the next
+   report, checkpoint or epoch end (`settle`). Reading it keeps the telemetry (`amp/*` metrics), the overflow log
+   and the collapse guardrails exactly as if it were read in the step: every skipped step, whatever the reason,
+   counts toward `max_consecutive_skips`.
 """
 
 from dataclasses import dataclass, field
@@ -21,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.precision.amp import AmpSettings
-from orchestrator.precision.scaler import make_scaler, nonfinite_flag
+from orchestrator.precision.outcome import HostCopy, Pending, StepOutcome, first_nonfinite  # noqa: F401 (re-exported)
+from orchestrator.precision.scaler import PassThroughScaler, make_scaler
 
 
 class LossScaleCollapsed(RuntimeError):
@@ -40,30 +45,16 @@ class NothingTrained(RuntimeError):
     """Every optimizer step of an epoch was skipped: the run cannot end as if it had trained."""
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    stepped: bool
-    """The optimizer stepped."""
-    overflow: bool = False
-    """Skipped: inf/nan gradients on some rank; the scale backed off."""
-    nan_loss: bool = False
-    """Skipped: the loss itself was not finite on some rank; the scale was left alone."""
-    nonfinite_grads: bool = False
-    """Without a scaler: a gradient was not finite on some rank (skipped, or stepped with
-    `on_nonfinite_grads: warn`)."""
-    collapse: Optional[str] = None
-    """Why the loss scale counts as collapsed after this step (a guardrail tripped), if it does."""
-    grad_norm: Optional[torch.Tensor] = None
-    """With clipping: the total gradient norm before clipping, on unscaled gradients (only for a step taken)."""
-
-
 def clip(optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]:
     """Clip the optimizer's gradients to total norm `max_norm` (None: no clipping); the norm before clipping,
-    left on the device (reading it would wait for the GPU every step)."""
+    left on the device (reading it would wait for the GPU every step). Gradients whose norm is not finite are
+    left as they are: such a step is skipped (decided on the device), and its overflow record reads them."""
     if max_norm is None:
         return None
-    grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(grads, max_norm).detach()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(torch.isfinite(norm), norm, 0.0))
+    return norm.detach()
 
 
 @dataclass
@@ -87,10 +78,6 @@ def _ranks(flags: Sequence[float]) -> list[int]:
     return [rank for rank, flag in enumerate(flags) if flag]
 
 
-def _layer_of(param_name: str) -> str:
-    return param_name.rpartition(".")[0] or param_name
-
-
 @dataclass
 class GuardedScaler:
     amp: AmpSettings
@@ -108,12 +95,20 @@ class GuardedScaler:
     def __post_init__(self) -> None:
         self.scaler = make_scaler(self.amp, self.device.type, self.enabled)
         self.dynamic = self.scaler.is_enabled() and self.amp.loss_scale == "dynamic"
+        self.skipper = self.scaler if self.scaler.is_enabled() else PassThroughScaler(self.device.type)
+        """What checks the gradients and skips a step on the device: the loss scaler, or a scale of 1 without one."""
         self.overflow_log: list[dict[str, Any]] = []
         """Records not yet reported (drained by `drain_overflow_log`)."""
         self.warned_steps: list[int] = []
         """Steps taken with non-finite gradients (`on_nonfinite_grads: warn`) not reported yet."""
         self.streak_layers: list[str] = []
         """Layers found overflowing during the current run of consecutive skips."""
+        self.pending: list[Pending] = []
+        """Steps whose flags have not been read on the host yet, oldest first."""
+        self.on_settled: list[Callable[[StepOutcome], None]] = []
+        """Called with each step's outcome once the host knows it, in step order (the schedule, the memory ledger)."""
+        self.collapsed: Optional[tuple[int, str]] = None
+        """(step, why) of the first step found collapsed that nothing has acted on yet (`take_collapse`)."""
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -124,17 +119,71 @@ class GuardedScaler:
              named_tensors: Sequence[tuple[str, torch.Tensor]], clip_grad_norm: Optional[float] = None,
              clip_with: Callable[[torch.optim.Optimizer, Optional[float]], Optional[torch.Tensor]] = clip
              ) -> StepOutcome:
-        """Step or skip, the same on every rank. `named_tensors`: the optimizer's tensors by parameter name.
+        """Step or skip, the same on every rank, decided on the device. `named_tensors`: the optimizer's tensors by
+        parameter name. The outcome's `taken` is known at once; the rest once the flags are read (`settle`).
 
         `clip_grad_norm`: clip the optimizer's gradients (the fp32 masters' where there are masters) to this
-        total norm, as torch.amp's recipe says: after unscaling, and only on a step that is taken. `clip_with`
-        clips and returns the norm as a plain tensor (under FSDP: the norm over every rank's shards).
+        total norm, as torch.amp's recipe says: after unscaling. `clip_with` clips and returns the norm as a plain
+        tensor (under FSDP: the norm over every rank's shards); a skipped step's update is not applied, clipped or
+        not, and its norm is not reported.
         """
+        self.settle()  # the step before's flags (one step late): this step's update must follow its schedule
         self.counters.epoch_steps += 1
-        if self.scaler.is_enabled():
-            self.scaler.unscale_(optimizer)
-        found_by_rank, nan_by_rank = self._agree(optimizer, loss)
+        scaler, world = self.skipper, self.world_size
+        scaler.scale_tensor(self.device)
+        scaler.unscale_(optimizer)
+        flags = torch.zeros(2 * world, device=self.device)
+        found = scaler.found_inf_flags(optimizer)
+        if found:
+            flags[self.rank] = torch.stack([f.to(self.device).reshape(()) for f in found]).sum().clamp(max=1)
+        flags[world + self.rank] = (~torch.isfinite(loss.detach())).any().float()
+        if world > 1:
+            dist.all_reduce(flags)
+        nan_loss, nonfinite = flags[world:].sum() > 0, flags[:world].sum() > 0
+        steps_anyway = not self.scaler.is_enabled() and self.on_nonfinite_grads == "warn"
+        skip = nan_loss if steps_anyway else nan_loss | nonfinite
+        scaler.skip_where(optimizer, skip.float())  # every rank skips (and backs off) alike
+        # Copied now, before the optimizer step: GradScaler's own check (`step()` without a fused optimizer) then
+        # waits for the copy too, and the flags are read in this step, while its gradients are there.
+        copy = HostCopy(torch.cat([flags, scaler.scale_tensor(self.device).detach().float().reshape(1)]))
+        saved = self.scaler.saved() if self.scaler.is_enabled() else None
+        grad_norm = clip_with(optimizer, clip_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        if saved is not None:
+            self.scaler.keep_where(nan_loss, saved)  # a non-finite loss is not an overflow: the scale stays
+            if self.dynamic:
+                self.scaler.cap(self.amp.max_scale)
+        outcome = StepOutcome((~skip).float(), (~nan_loss).float(), grad_norm, self.settle)
+        pending = Pending(step, outcome, copy, named_tensors)
+        self.pending.append(pending)
+        if copy.ready():
+            self.settle()
+        else:
+            pending.keep_maxabs()
+        return outcome
 
+    def settle(self) -> None:
+        """Read the flags of every step not read yet, in order, waiting for them: counters, the overflow log,
+        warnings, the collapse guardrails, errors (`fail`, `abort`), then the `on_settled` listeners. Called
+        before each optimizer step (for the step before), and by everything that reports what it keeps."""
+        while self.pending:
+            pending = self.pending.pop(0)
+            values = pending.flags.values()
+            world = self.world_size
+            found_by_rank, nan_by_rank, scale = values[:world], values[world:2 * world], values[2 * world]
+            self._read(pending, found_by_rank, nan_by_rank, scale)
+            for listener in self.on_settled:
+                listener(pending.outcome)
+
+    def take_collapse(self) -> Optional[tuple[int, str]]:
+        """(step, why) of the first collapse found since the last call, once; None when there is none."""
+        collapsed, self.collapsed = self.collapsed, None
+        return collapsed
+
+    def _read(self, pending: "Pending", found_by_rank: list[float], nan_by_rank: list[float], scale: float) -> None:
+        """One step's flags, on the host: what was decided on the device, counted, recorded and checked."""
+        step, outcome = pending.number, pending.outcome
         if any(nan_by_rank):
             self.counters.nan_loss_steps += 1
             if self.guard.on_nan_loss == "abort":
@@ -142,15 +191,14 @@ class GuardedScaler:
                     f"the loss was not finite at step {step} on rank(s) {_ranks(nan_by_rank)}. Inspect the data and "
                     "the forward pass, keep fragile layers in fp32 with precision.rules, or set "
                     "precision.scaler.on_nan_loss: skip.")
-            if self.scaler.is_enabled():  # clear this step's inf checks without backing off the scale
-                self.scaler.update(float(self.scaler.get_scale()))
             self._skipped()
-            return StepOutcome(stepped=False, nan_loss=True, collapse=self._collapse_reason("the loss not finite"))
+            self._resolve(outcome, step, stepped=False, nan_loss=True,
+                          collapse=self._collapse_reason(scale, "the loss not finite"))
+            return
 
         if any(found_by_rank) and not self.scaler.is_enabled():
-            outcome = self._nonfinite_grads(found_by_rank, step, named_tensors)
-            if outcome is not None:
-                return outcome
+            if self._nonfinite_grads(pending, found_by_rank):
+                return
         elif any(found_by_rank):
             if not all(found_by_rank):
                 self.counters.rank_disagreements += 1
@@ -158,31 +206,39 @@ class GuardedScaler:
                     self.overflow_log.append({"step": step, "event": "ranks_disagree",
                                              "found_inf_by_rank": [int(f) for f in found_by_rank]})
             if found_by_rank[self.rank]:
-                record = first_nonfinite(named_tensors)
+                record = pending.first_nonfinite()
                 if record is not None:
                     self.streak_layers.append(record["layer"])
                     self.overflow_log.append({"step": step, "rank": self.rank, "event": "overflow",
-                                              "loss_scale": float(self.scaler.get_scale()), **record})
-            self._mark_found_inf(optimizer)
-            self.scaler.update()  # backs off, identically on every rank
+                                              "loss_scale": scale, **record})
             self._skipped()
             self.counters.clean_streak = 0
-            return StepOutcome(stepped=False, overflow=True, collapse=self._collapse_reason())
+            after = self._scale_after(scale, backoff=True)
+            self._resolve(outcome, step, stepped=False, overflow=True, collapse=self._collapse_reason(after))
+            return
 
-        grad_norm = clip_with(optimizer, clip_grad_norm)  # unscaled above, and finite on every rank
-        optimizer.step()
-        if self.scaler.is_enabled():
-            self.scaler.update()
         self._clean_step()
-        return StepOutcome(stepped=True, grad_norm=grad_norm, nonfinite_grads=any(found_by_rank))
+        self._resolve(outcome, step, stepped=True, nonfinite_grads=any(found_by_rank))
 
-    def _nonfinite_grads(self, found_by_rank: list[float], step: int,
-                         named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Optional[StepOutcome]:
-        """No scaler, and a gradient not finite on some rank: counted and recorded, then skipped (the outcome),
-        failed, or (`warn`) None: the step is taken."""
+    def _resolve(self, outcome: StepOutcome, step: int, **fields: Any) -> None:
+        outcome.resolve(**fields)
+        if fields.get("collapse") is not None and self.collapsed is None:
+            self.collapsed = (step, fields["collapse"])
+
+    def _scale_after(self, scale: float, backoff: bool) -> float:
+        """The scale `update()` left after a step skipped for an overflow, worked out on the host in float32 as
+        GradScaler does on the device."""
+        if not (backoff and self.dynamic):
+            return scale
+        return float(torch.tensor(scale, dtype=torch.float32) * self.amp.backoff_factor)
+
+    def _nonfinite_grads(self, pending: "Pending", found_by_rank: list[float]) -> bool:
+        """No scaler, and a gradient not finite on some rank: counted and recorded; then skipped (returns True:
+        the outcome is resolved), failed, or (`warn`) taken (False)."""
+        step, outcome = pending.number, pending.outcome
         self.counters.nonfinite_grad_steps += 1
         ranks = _ranks(found_by_rank)
-        record = first_nonfinite(named_tensors) if found_by_rank[self.rank] else None
+        record = pending.first_nonfinite() if found_by_rank[self.rank] else None
         if record is not None:
             self.overflow_log.append({"step": step, "rank": self.rank, "event": "nonfinite_grads",
                                       "action": self.on_nonfinite_grads, **record})
@@ -194,32 +250,13 @@ class GuardedScaler:
                 "skip to skip such steps.")
         if self.on_nonfinite_grads == "warn":
             self.warned_steps.append(step)
-            return None
+            return False
         if record is not None:
             self.streak_layers.append(record["layer"])
         self._skipped()
-        return StepOutcome(stepped=False, nonfinite_grads=True,
-                           collapse=self._collapse_reason("the gradients not finite"))
-
-    def _agree(self, optimizer, loss: torch.Tensor) -> tuple[list[float], list[float]]:
-        """Every rank's (found_inf, loss_not_finite), in one all-reduce and one host read."""
-        flags = torch.zeros(2 * self.world_size, device=self.device)
-        if self.scaler.is_enabled():
-            found = self.scaler.found_inf_flags(optimizer)
-            flags[self.rank] = torch.stack([f.to(self.device).reshape(()) for f in found]).sum().clamp(max=1)
-        else:
-            flags[self.rank] = nonfinite_flag([p.grad for group in optimizer.param_groups for p in group["params"]
-                                               if p.grad is not None], self.device)
-        flags[self.world_size + self.rank] = (~torch.isfinite(loss.detach())).float()
-        if self.world_size > 1:
-            dist.all_reduce(flags)
-        host = flags.tolist()
-        return host[: self.world_size], host[self.world_size:]
-
-    def _mark_found_inf(self, optimizer) -> None:
-        """Make this rank's update() back off even when only another rank found inf."""
-        for flag in self.scaler.found_inf_flags(optimizer):
-            flag.fill_(1.0)
+        self._resolve(outcome, step, stepped=False, nonfinite_grads=True,
+                      collapse=self._collapse_reason(1.0, "the gradients not finite"))
+        return True
 
     def _skipped(self) -> None:
         self.counters.skipped_steps += 1
@@ -231,22 +268,19 @@ class GuardedScaler:
         self.streak_layers.clear()
         if self.dynamic:
             self.counters.clean_streak += 1
-            if self.counters.clean_streak == self.amp.growth_interval:
+            if self.counters.clean_streak == self.amp.growth_interval:  # the scale grew (capped on the device)
                 self.counters.growth_events += 1
                 self.counters.clean_streak = 0
-                # The scale just grew (the host mirrors GradScaler's growth tracker): cap it, on the device,
-                # without a sync.
-                self.scaler.cap(self.amp.max_scale)
 
-    def _collapse_reason(self, why: Optional[str] = None) -> Optional[str]:
-        """Why the run counts as collapsed after a skipped step (`why`: what skipped it, when not an overflow)."""
+    def _collapse_reason(self, scale: float, why: Optional[str] = None) -> Optional[str]:
+        """Why the run counts as collapsed after a skipped step (`scale`: the loss scale after it; `why`: what
+        skipped it, when not an overflow)."""
         limit = self.guard.max_consecutive_skips
         if limit is not None and self.counters.consecutive_skips > limit:
             last = f", the last with {why}" if why else ""
             return f"{self.counters.consecutive_skips} consecutive skipped steps{last} (max_consecutive_skips={limit})"
         if why:  # the scale did not move
             return None
-        scale = float(self.scaler.get_scale())  # read only on skipped steps: the scale only falls there
         if self.guard.min_scale is not None and self.dynamic and scale < self.guard.min_scale:
             return f"loss scale {scale:g} < min_scale={self.guard.min_scale:g}"
         return None
@@ -258,6 +292,7 @@ class GuardedScaler:
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
     def metrics(self) -> dict[str, float]:
+        self.settle()
         c = self.counters
         return {"amp/loss_scale": self.loss_scale(), "amp/skipped_steps": float(c.skipped_steps),
                 "amp/consecutive_skips": float(c.consecutive_skips), "amp/growth_events": float(c.growth_events),
@@ -266,6 +301,7 @@ class GuardedScaler:
 
     def end_epoch(self) -> dict[str, float]:
         """`amp/skip_rate`: the share of this epoch's steps that were skipped."""
+        self.settle()
         c = self.counters
         rate = c.epoch_skipped / c.epoch_steps if c.epoch_steps else 0.0
         c.epoch_steps = c.epoch_skipped = 0
@@ -274,6 +310,7 @@ class GuardedScaler:
     def nothing_trained(self, epoch: int) -> Optional[str]:
         """Why epoch `epoch` (from 1) trained nothing, when every one of its steps was skipped; else None. Read
         before `end_epoch` resets the epoch's counts."""
+        self.settle()
         c = self.counters
         if not c.epoch_steps or c.epoch_skipped < c.epoch_steps:
             return None
@@ -284,6 +321,7 @@ class GuardedScaler:
 
     def drain_warnings(self) -> list[str]:
         """One warning for the steps taken with non-finite gradients since the last call (`warn`), or none."""
+        self.settle()
         steps, self.warned_steps = self.warned_steps, []
         if not steps:
             return []
@@ -292,39 +330,16 @@ class GuardedScaler:
                 "anyway (precision.on_nonfinite_grads: warn), so the weights may no longer be finite."]
 
     def drain_overflow_log(self) -> list[dict[str, Any]]:
+        self.settle()
         records, self.overflow_log = self.overflow_log, []
         return records
 
     def overflowing_layers(self) -> list[str]:
         """The layers found overflowing in the current streak, on any rank (a collective: call on every rank)."""
+        self.settle()
         layers = list(dict.fromkeys(self.streak_layers))
         if self.world_size > 1:
             gathered: list[Optional[list[str]]] = [None] * self.world_size
             dist.all_gather_object(gathered, layers)
             layers = list(dict.fromkeys(name for part in gathered for name in (part or [])))
         return layers
-
-@torch.no_grad()
-def first_nonfinite(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
-    """The first gradient, in backward order (output side first), holding inf or nan.
-
-    An overflow starts at one layer and spreads toward the input as backward goes on, so the
-    layer nearest the output is where it began. `max_abs_grad`: the largest finite |gradient|
-    of that parameter, unscaled.
-    """
-    grads = [(name, tensor.grad) for name, tensor in reversed(named_tensors) if tensor.grad is not None]
-    if not grads:
-        return None
-    finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]).tolist()
-    for (name, grad), ok in zip(grads, finite):
-        if ok:
-            continue
-        good = torch.isfinite(grad)
-        finite_values = grad[good]
-        return {
-            "layer": _layer_of(name), "param": name,
-            "kind": "nan" if bool(torch.isnan(grad).any()) else "inf",
-            "max_abs_grad": float(finite_values.abs().max()) if finite_values.numel() else None,
-            "nonfinite_count": int((~good).sum()),
-        }
-    return None

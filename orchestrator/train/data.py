@@ -383,12 +383,14 @@ def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device) ->
     epoch where a checkpoint left off."""
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
     shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed)
-    if cfg.data.loader == "device":  # the whole dataset on the device: batches are slices, no copies per step
+    from orchestrator.train import fast
+
+    if fast.loader(cfg, (train_set, eval_set), device) == "device":  # on the device: batches are slices, no copies
         train, evaluation, position = build_device_loaders(train_set, eval_set, augment=cfg.data.augment,
                                                            device=device, **shard)
     else:
         train, evaluation, position = build_loaders(
-            train_set, eval_set, loader_workers=cfg.data.loader_workers, pin_memory=device.type == "cuda",
+            train_set, eval_set, loader_workers=cfg.data.loader_workers, pin_memory=device.type == "cuda" and cfg.perf.pinned_transfers,
             collate=(collate_fn(cfg.data, train_set), collate_fn(cfg.data, eval_set)), **shard)
     layout = BatchLayout.from_task(cfg.task)
     return Batches(train, layout), Batches(evaluation, layout), position

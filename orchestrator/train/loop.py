@@ -44,7 +44,6 @@ from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.train.report import Report, checkpoint_score
-from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.preemption import Preempted, PreemptionCheck
 from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
@@ -163,12 +162,15 @@ class TrainingLoop:
             groups = in_groups(self.train_loader, cfg.run.accumulate_steps)
             for index, batches in zip(range(first, self.steps_per_epoch), groups):
                 self.global_step += 1
-                self.train_step(Step(self.global_step, epoch, index, batches))
                 log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
                 eval_due = self.due_mid_epoch(cfg.run.eval_every_n_steps, index)
                 mid_epoch = index + 1 < self.steps_per_epoch
-                checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index) or (
-                    self.preempted and mid_epoch)
+                checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index)
+                self.train_step(Step(self.global_step, epoch, index, batches),
+                                settle=log_due or eval_due or checkpoint_due or not mid_epoch)
+                if self.preempted and mid_epoch:  # a notice reached a rank: checkpoint at this step boundary
+                    self.training.precision.settle()
+                    checkpoint_due = True
                 if log_due or eval_due or checkpoint_due:
                     report = self.new_report(epoch)
                     if log_due:
@@ -187,18 +189,20 @@ class TrainingLoop:
         return Preempted(f"a preemption notice (SIGTERM) reached a rank: checkpointed at step {self.global_step}; "
                          "the attempt ends so that Ray Train restarts it from there (failure.max_failures)")
 
-    def train_step(self, step: Step) -> Step:
-        """One optimizer step with its hooks, the schedule, the loss window and (`perf.compile`) compilation."""
+    def train_step(self, step: Step, settle: bool = False) -> Step:
+        """One optimizer step with its hooks, the loss window and (`perf.compile`) compilation. The step's flags are
+        read on the host when they have arrived (on the CPU at once), or before the next step's update; `settle`:
+        now, waiting for them (a report or the epoch's end follows). The schedule steps as they are read."""
         self.hooks.call("before_step", self, step)
         accumulated_step(self.training, step, self.device, lambda s: self.hooks.call("after_backward", self, s))
         for batch in step.batches:
             self.input_example.observe(batch)
-        if self.training.scheduler is not None and should_step_schedule(step.outcome):
-            self.training.scheduler.step()
-        if not step.outcome.nan_loss:
-            self.window.add(step.loss, step.samples)
-        if step.outcome.grad_norm is not None:
-            self.window.add_grad_norm(step.outcome.grad_norm)
+        outcome = step.outcome
+        self.window.add(step.loss, step.samples, counted=outcome.loss_counted)  # not a loss that was not finite
+        if outcome.norm is not None:
+            self.window.add_grad_norm(outcome.norm, taken=outcome.taken)  # only a taken step's
+        if settle:
+            self.training.precision.settle()
         self.hooks.call("after_step", self, step)  # the audit closes here; collapse recovery may rebuild
         self.training.prepared.compile_when(self.training.precision.audited)  # after the audited (eager) step
         return step
@@ -208,9 +212,10 @@ class TrainingLoop:
         (with a checkpoint when due). Returns whether early stopping ends the run."""
         cfg = self.cfg
         last = epoch + 1 == cfg.run.epochs
+        self.training.precision.settle()
         report = self.new_report(epoch)
         if self.window.samples:
-            report.metrics.update(self.read_window())
+            report.metrics.update(self.read_window(only_counted=True))
         stop = False
         every_n_steps = cfg.run.eval_every_n_steps
         if (last or (epoch + 1) % cfg.run.eval_every_n_epochs == 0
@@ -240,9 +245,10 @@ class TrainingLoop:
         self.window.exclude_since(began)
         return metrics
 
-    def read_window(self) -> dict[str, float]:
-        """The loss window, reduced over all ranks and reset (each step's loss was checked at its step)."""
-        return self.window.read()
+    def read_window(self, only_counted: bool = False) -> dict[str, float]:
+        """The loss window, reduced over all ranks and reset (each step's loss was checked at its step);
+        `only_counted`: nothing when no step since the last read had a finite loss."""
+        return self.window.read(only_counted)
 
     # -- reports and checkpoints --------------------------------------------------------------------
 

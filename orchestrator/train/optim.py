@@ -10,7 +10,8 @@ name, so they hold the fp32 masters where the policy keeps some.
 `optim.schedule` is a built-in (`none`, `cosine`, `onecycle`; `optim.warmup_fraction` puts a linear warmup
 first) or an import path to an `LRScheduler` class (with `optim.schedule_kwargs`) or to a factory
 `(optimizer, total_steps, **schedule_kwargs) -> LRScheduler`. The schedule advances once per optimizer step
-that is taken (`should_step_schedule`).
+that is taken (`should_step_schedule`), as soon as the host knows the step was taken: at the latest before the
+next step's update, so every update runs at the rate a host-decided schedule would give it.
 
 The section is checked when the config is loaded (`orchestrator.config.optim`); `check_on_model()` builds
 both in pre-flight, on the model.
@@ -27,7 +28,7 @@ from orchestrator.config.imports import is_import_path
 from orchestrator.config.optim import (IMPLEMENTATION_FLAGS, OPTIMIZERS, accepts, optimizer_class, plain,
                                        schedule_call, schedule_target)
 from orchestrator.errors import BadInput
-from orchestrator.precision.scaling import StepOutcome
+from orchestrator.precision.outcome import StepOutcome
 
 ONECYCLE_WARMUP = 0.25
 """onecycle's warmup (its `pct_start`) when `optim.warmup_fraction` is null."""
@@ -41,11 +42,12 @@ Named = Sequence[tuple[str, torch.Tensor]]
 # -- the optimizer --------------------------------------------------------------------------------
 
 
-def section_settings(optim_cfg) -> dict[str, Any]:
+def section_settings(optim_cfg, fused: bool = False) -> dict[str, Any]:
     """The constructor's keyword arguments from the section (its default group's settings).
 
     A built-in gets its own fields (`momentum`, `betas`, ...); an import-path optimizer gets `lr`, `weight_decay`
-    when it takes one, and the `implementation` flag; `optim.kwargs` go to both."""
+    when it takes one, and the `implementation` flag; `optim.kwargs` go to both. `fused`: `auto` means the fused
+    kernel (`orchestrator.train.fast.fused_optimizer`)."""
     cls = optimizer_class(optim_cfg)
     name = optim_cfg.name
     settings: dict[str, Any] = {"lr": optim_cfg.lr}
@@ -55,7 +57,8 @@ def section_settings(optim_cfg) -> dict[str, Any]:
         settings.update(betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
     if name in OPTIMIZERS or accepts(cls, "weight_decay"):
         settings["weight_decay"] = optim_cfg.weight_decay
-    settings.update(IMPLEMENTATION_FLAGS[optim_cfg.implementation])
+    settings.update({"fused": True} if fused and optim_cfg.implementation == "auto"
+                    else IMPLEMENTATION_FLAGS[optim_cfg.implementation])
     settings.update({key: plain(value) for key, value in optim_cfg.kwargs.items()})
     return settings
 
@@ -104,10 +107,10 @@ def assign_groups(optim_cfg, named: Named, model: Optional[nn.Module] = None) ->
     return groups
 
 
-def build_grouped(optim_cfg, groups: Sequence[Sequence[torch.Tensor]]) -> torch.optim.Optimizer:
+def build_grouped(optim_cfg, groups: Sequence[Sequence[torch.Tensor]], fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer over `groups` (the default group's tensors, then one list per `optim.param_groups` entry,
     empty ones kept so a group's index is its place in the config)."""
-    cls, settings = optimizer_class(optim_cfg), section_settings(optim_cfg)
+    cls, settings = optimizer_class(optim_cfg), section_settings(optim_cfg, fused)
     if not optim_cfg.param_groups:  # one group, as torch builds it from a plain list of tensors
         return cls(list(groups[0]), **settings)
     param_groups = [{"params": list(groups[0])}]
@@ -117,16 +120,16 @@ def build_grouped(optim_cfg, groups: Sequence[Sequence[torch.Tensor]]) -> torch.
 
 
 def build_optimizer(optim_cfg, params: Iterable[Union[torch.Tensor, tuple[str, torch.Tensor]]],
-                    model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+                    model: Optional[nn.Module] = None, fused: bool = False) -> torch.optim.Optimizer:
     """The job's optimizer over `params`: tensors, or (parameter name, tensor) pairs, which `optim.param_groups`
     needs (e.g. `Precision.named_tensors`: the fp32 master where there is one). `model` is the module the names
-    are from (its modules' class names match too)."""
+    are from (its modules' class names match too). `fused`: `optim.implementation: auto` means the fused kernel."""
     params = list(params)
     if params and isinstance(params[0], tuple):
-        return build_grouped(optim_cfg, assign_groups(optim_cfg, params, model))
+        return build_grouped(optim_cfg, assign_groups(optim_cfg, params, model), fused)
     if optim_cfg.param_groups:
         raise ValueError("optim.param_groups needs the parameters' names: pass (name, tensor) pairs")
-    return build_grouped(optim_cfg, [params])
+    return build_grouped(optim_cfg, [params], fused)
 
 
 def param_group_table(optim_cfg, optimizer: torch.optim.Optimizer, named: Named) -> list[dict[str, Any]]:

@@ -29,12 +29,10 @@ from torch import nn
 from orchestrator.precision import Policy, Precision, plan
 from orchestrator.precision.fsdp import FsdpSettings, plan_units
 from orchestrator.precision.scaling import clip as clip_gradients
-from orchestrator.train import sharded_checkpoint
 from orchestrator.train.checkpoint import (STATE_FILE, Candidate, CorruptCheckpoint, load_newest_valid, manifest_file,
                                            read_checkpoint, staged_checkpoint)
 from orchestrator.train.collectives import all_agree
 from orchestrator.train.ddp import Wrap, ddp_wrap
-from orchestrator.train.fsdp_strategy import FsdpStrategy
 from orchestrator.train.state import TrainState
 
 if TYPE_CHECKING:
@@ -126,6 +124,8 @@ def make_strategy(cfg: Any, device: torch.device, rank: int, world_size: int, wr
                   ) -> Strategy:
     """The job's `scaling.strategy` for one build of the model. `wrap` (DDP only): how the cast model is wrapped."""
     if cfg.scaling.strategy == "fsdp":
+        from orchestrator.train.fsdp_strategy import FsdpStrategy  # torch's FSDP: seconds to import, FSDP runs only
+
         return FsdpStrategy.from_config(cfg, device, rank, world_size)
     return DdpStrategy(cfg, rank, wrap)
 
@@ -180,6 +180,7 @@ def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int
     if strategy != "fsdp":
         state, warnings = load_newest_valid(candidates, rank, agree)
         return state, warnings, build(state)
+    from orchestrator.train import sharded_checkpoint  # torch.distributed.checkpoint: FSDP runs only
 
     def read(directory: Path) -> TrainState:
         return TrainState.from_files(*sharded_checkpoint.read_rank_files(directory, rank))
@@ -209,6 +210,8 @@ def load_trained_weights(checkpoint: Any, model: nn.Module) -> TrainState:
             state = read_checkpoint(directory, rank=0)
             model.load_state_dict(state.model)
             return state
+        from orchestrator.train import sharded_checkpoint  # torch.distributed.checkpoint: FSDP checkpoints only
+
         sharded_checkpoint.verify_sharded_checkpoint(directory, rank=0, world_size=1)  # every writer's files
         shared = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
         try:

@@ -19,13 +19,13 @@ from torch import nn
 from orchestrator.precision import Precision
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
-from orchestrator.train import task
+from orchestrator.train import fast, task
 from orchestrator.train.batch import Batch
-from orchestrator.train.fsdp import local
+from orchestrator.precision.shards import local
 from orchestrator.train.models import build_model
 from orchestrator.train.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
-from orchestrator.train.optim import build_optimizer, build_scheduler
+from orchestrator.train.optim import build_optimizer, build_scheduler, should_step_schedule
 from orchestrator.train.resume import IncompatibleResume, model_mismatch
 from orchestrator.train.state import TrainState
 from orchestrator.train.strategy import Strategy, make_strategy
@@ -104,7 +104,7 @@ class Training:
         return self._state(*self.strategy.snapshot_state(self.precision, self.optimizer))
 
     def _state(self, model: dict[str, Any], optimizer: dict[str, Any]) -> TrainState:
-        scaling = self.precision.state_dict()
+        scaling = self.precision.state_dict()  # first: every step's flags read, the schedule stepped for them
         return TrainState(model=model, optimizer=optimizer,
                           scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
                           scaler=scaling["scaler"], counters=scaling["counters"], promoted=list(self.promoted))
@@ -149,7 +149,8 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
             raise IncompatibleResume(f"model: {mismatch} (model.name={cfg.model.name}): the checkpoint was trained "
                                      "with another model. Set the model back, or start a new run without --resume.")
         strategy.load_weights(model, state)
-    memory_format = torch.channels_last if cfg.perf.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if fast.channels_last(cfg, model, device) else torch.contiguous_format
+    fast.set_cudnn_benchmark(cfg, device)
     train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so
     if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
         freeze_norm(model)
@@ -159,12 +160,15 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     compile_options = {"backend": cfg.perf.compile_backend, "mode": cfg.perf.compile_mode} if cfg.perf.compile else None
     prepared = PreparedModel(wrapped, model, sum(param_bytes_by_dtype(model).values()), memory_format, compile_options)
     # Grouped by name: masters (DDP) and shards (FSDP) follow their parameter's group.
-    optimizer = build_optimizer(cfg.optim, strategy.named_optimizer_params(), model)
+    optimizer = build_optimizer(cfg.optim, strategy.named_optimizer_params(), model,
+                                fused=fast.fused_optimizer(cfg, device))
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     if state is not None:
         strategy.load_state(optimizer, state)
         if scheduler is not None and state.scheduler:
             scheduler.load_state_dict(state.scheduler)
         precision.load_state_dict(state.scaler, state.counters)
+    if scheduler is not None:  # once per step taken, as soon as the host knows it was (before the next step's update)
+        precision.guard.on_settled.append(lambda outcome: scheduler.step() if should_step_schedule(outcome) else None)
     return Training(prepared, optimizer, scheduler, precision, promoted, cfg.optim.clip_grad_norm,
                     task.build_loss(cfg.task), task.build_metrics(cfg.task), strategy)

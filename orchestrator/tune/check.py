@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from orchestrator.config.schema import PrecisionSection
 from orchestrator.train.batch import Batch
-from orchestrator.train.optim import should_step_schedule
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.step import Step, accumulated_step
 from orchestrator.train.training import build_training
@@ -39,8 +38,7 @@ def losses(cfg, precision: dict, batches: list[Batch], device: torch.device) -> 
     for number, batch in enumerate(batches, start=1):
         step = Step(number=number, epoch=0, index=number - 1, batches=[batch])
         accumulated_step(training, step, device)
-        if training.scheduler is not None and should_step_schedule(step.outcome):
-            training.scheduler.step()
+        training.precision.settle()  # the step's outcome read (the schedule advances on a step taken), as the loop does
         curve.append(float(step.loss))
     return curve, training.precision.guard.counters.skipped_steps
 

@@ -9,7 +9,8 @@ from orchestrator.train.state import TrainState
 
 
 class CollapseRecovery(Hook):
-    """After a step whose outcome says the scale collapsed: raise (`abort`, or `promote` with no layer to blame),
+    """After a step, when the flags read so far say the scale collapsed (read late: on a GPU one step after the
+    collapsed one, at the latest at the report): raise (`abort`, or `promote` with no layer to blame),
     or rebuild the training from a state (`loop.build`) and go on; the run is tagged `precision.promoted`."""
 
     name = "collapse"
@@ -31,13 +32,15 @@ class CollapseRecovery(Hook):
             self.last_good = loop.training.snapshot().detached()
 
     def after_step(self, loop, step) -> None:
-        if step.outcome.collapse is None:
-            return
         training = loop.training
         guard = training.precision.guard
+        collapsed = guard.take_collapse()  # found when the flags were read: this step's, or on a GPU the one before
+        if collapsed is None:
+            return
+        number, reason = collapsed
         layers = guard.overflowing_layers()  # a collective: every rank is here, the flags were agreed
         what = "loss scale collapsed" if guard.scaler.is_enabled() else "training collapsed (no loss scale)"
-        message = f"{what} at step {step.number}: {step.outcome.collapse}; overflowing layers: " \
+        message = f"{what} at step {number}: {reason}; overflowing layers: " \
                   f"{', '.join(layers) or 'none identified'}"
         if self.on_collapse == "abort" or (self.on_collapse == "promote" and not layers):
             raise LossScaleCollapsed(f"{message}. Keep those layers in fp32 (precision.rules), lower optim.lr, or "
@@ -53,8 +56,8 @@ class CollapseRecovery(Hook):
         loop.training = loop.build(state)
         records = guard.drain_overflow_log()  # not reported yet: they go out with the rebuilt guard's
         if guard.rank == 0:
-            records.append({"step": step.number, "event": "collapse", "action": self.on_collapse,
-                            "reason": step.outcome.collapse, "layers": layers})
+            records.append({"step": number, "event": "collapse", "action": self.on_collapse,
+                            "reason": reason, "layers": layers})
         loop.training.precision.guard.overflow_log.extend(records)
 
     def collect(self, loop, report) -> None:
