@@ -161,6 +161,23 @@ def reports_of(cfg, tmp_path):
                       for r in session.reports]
 
 
+@pytest.mark.parametrize("preset", ["O0", "O2"])
+def test_a_first_step_skipped_on_the_device_leaves_fused_sgd_s_momentum_as_foreach_leaves_it(write_job, preset):
+    """Fused SGD makes its momentum buffers uninitialised on its first step and fills them in the kernel the
+    found-inf flag skips: an overflow on the very first step must not leave garbage there (it turned the weights
+    into NaN one step later). Fused and foreach end the same after a skipped first step and a taken second."""
+    finals = {}
+    for implementation in ("fused", "foreach"):
+        cfg, training = build(write_job, preset, implementation)
+        assert run_step(training, 1, lambda step: inf_gradient(step, training)).outcome.stepped is False
+        assert run_step(training, 2).outcome.stepped is True
+        training.precision.settle()
+        finals[implementation] = {name: p.detach().float().clone() for name, p in training.prepared.raw.named_parameters()}
+    for name, fused in finals["fused"].items():
+        assert torch.isfinite(fused).all(), name
+        torch.testing.assert_close(fused, finals["foreach"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_the_loop_reads_late_and_reports_exactly_what_it_reported_reading_in_the_step(write_job, tmp_path,
                                                                                      monkeypatch):
     """The same run (fp16 with a fused optimizer, an overflow at step 3, a NaN loss skipped at step 6, a schedule),

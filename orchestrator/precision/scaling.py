@@ -148,6 +148,7 @@ class GuardedScaler:
         copy = HostCopy(torch.cat([flags, scaler.scale_tensor(self.device).detach().float().reshape(1)]))
         saved = self.scaler.saved() if self.scaler.is_enabled() else None
         grad_norm = clip_with(optimizer, clip_grad_norm)
+        prime_fused_momentum(optimizer)
         scaler.step(optimizer)
         scaler.update()
         if saved is not None:
@@ -343,3 +344,24 @@ class GuardedScaler:
             dist.all_gather_object(gathered, layers)
             layers = list(dict.fromkeys(name for part in gathered for name in (part or [])))
         return layers
+
+
+@torch.no_grad()
+def prime_fused_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Give fused SGD with momentum zeroed momentum buffers before its first step (once per optimizer). It makes
+    them uninitialised (`empty_like`) on its first step and fills them in its kernel, which the found-inf flag of a
+    step skipped on the device skips too: a skipped first step would leave garbage that the next step turns into
+    NaN weights. From zeros the first step computes what it would have (momentum x 0 + grad; with dampening d,
+    (1 - d) x grad, as every later step does)."""
+    if getattr(optimizer, "_ampflow_momentum_primed", False):
+        return
+    optimizer._ampflow_momentum_primed = True
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if not group.get("fused") or not group.get("momentum"):
+            continue
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
