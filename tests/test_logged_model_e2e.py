@@ -14,7 +14,10 @@ pytestmark = pytest.mark.slow
 def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_path, write_job, mlflow_uri,
                                                              monkeypatch, capsys):
     """Also: a registry that refuses `tracking.register_model` costs a warning, and the run still ends FINISHED
-    with its model logged; `orchestrator.predict(run_id, batch)` gives the trained model's outputs."""
+    with its model logged; `orchestrator.predict(run_id, batch)` gives the trained model's outputs.
+
+    Long: a run through submit that exports and logs its model (torch.export of the trained model), then the model
+    loaded back and run three ways (MLflow's loader, the pyfunc, `orchestrator.predict`)."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
