@@ -16,8 +16,8 @@ def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_pat
     """Also: a registry that refuses `tracking.register_model` costs a warning, and the run still ends FINISHED
     with its model logged; `orchestrator.predict(run_id, batch)` gives the trained model's outputs.
 
-    Long: a run through submit that exports and logs its model (torch.export of the trained model), then the model
-    loaded back and run three ways (MLflow's loader, the pyfunc, `orchestrator.predict`)."""
+    Long: a ResNet-18 trained through submit, exported and logged, then loaded back (ampflow's loader and
+    `orchestrator.predict`) and compared with the model rebuilt from its last checkpoint."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
