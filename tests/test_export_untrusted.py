@@ -58,6 +58,10 @@ def export(run_id: str, uri: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_pickled_model_planted_beside_the_pt2_program_is_refused_never_unpickled(logged_run, tmp_path, mlflow_uri):
+    """A pickle planted beside the logged pt2 program is refused by `orchestrator.export`, and never unpickled.
+
+    Long: `orchestrator.export` runs twice as a command of its own (the clean program, then the planted one), each
+    importing torch and MLflow and exporting in bfloat16."""
     run_id, model_dir = logged_run
     assert export(run_id, mlflow_uri, tmp_path).returncode == 0  # the pt2 program alone exports
 

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.slow
 
 def test_ray_train_and_the_ray_free_loop_end_with_the_same_weights(ray_session, tmp_path, write_job, mlflow_uri,
                                                                      monkeypatch):
+    """One job trained twice, through submit on Ray Train and on the Ray-free loop's spawned ranks: the final
+    weights are the same, since both run the one training loop.
+
+    Long: two whole trainings of two ranks each, one through Ray Train and one in processes of their own."""
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
     from orchestrator.train.checkpoint import read_checkpoint
