@@ -18,6 +18,8 @@ import psutil
 import pytest
 import torch
 
+from orchestrator.runner.checkpoints import newest as newest_complete
+
 from conftest import drill, small_job
 from test_submit_e2e import only_run
 
@@ -134,7 +136,8 @@ def test_driver_killed_holding_unlogged_reports_then_resumed_in_the_same_run_pas
         deadline = time.monotonic() + 300
 
         def wait_for_checkpoint(step: int) -> None:
-            while not list(tmp_path.glob(f"ray_results/*/checkpoint_{step:09d}_*/train_state.pt")):
+            while not any(stored.facts.global_step >= step for run_dir in tmp_path.glob("ray_results/*/")
+                          for stored in [newest_complete(str(run_dir.parent), run_dir.name)] if stored is not None):
                 assert driver.poll() is None, "the driver ended before it could be killed"
                 assert time.monotonic() < deadline, f"no checkpoint of step {step} appeared"
                 time.sleep(0.1)
