@@ -21,6 +21,7 @@ this module like any user code (it is shipped with the job). Steps are global op
   anything, and its peers wait for it in a collective. With a `marker` file, only once.
 - `ReadOnlyPath`, `RemovePath`: a tracking store made read-only, or its artifact directory removed, mid-run.
 - `KillLoaderWorker`: a rank's DataLoader worker processes SIGKILLed mid-epoch.
+- `Interrupt`: every rank raises at the start of a step (an attempt that failed; its checkpoints stay).
 - `DiskFull`: the copy of a checkpoint to storage fails part-way with ENOSPC on every rank, as a disk
   filling up does (each rank's file in the checkpoint's storage directory is a link to /dev/full).
 """
@@ -235,3 +236,13 @@ class KillLoaderWorker:
                                "(data.loader_workers: 0?)")
         for child in children:
             os.kill(child.pid, signal.SIGKILL)
+
+
+class Interrupt:
+    def __init__(self, at_step: int):
+        """At the start of `at_step`, every rank raises: an attempt ended by a failure, its checkpoints kept."""
+        self.at_step = at_step
+
+    def before_step(self, loop, step) -> None:
+        if step.number == self.at_step:
+            raise RuntimeError(f"drill: interrupted at step {self.at_step}")

@@ -267,8 +267,13 @@ class FsdpSection:
 
 @dataclass
 class ScalingSection:
-    num_workers: int = 2
-    """Ray Train workers (DDP ranks)."""
+    num_workers: Any = 2
+    """Ray Train workers (DDP ranks): a number, or an elastic range `[min, max]`: the run starts with as many as
+    the cluster has room for (at least min), shrinks when a node goes and grows when one joins, each time going on
+    from the newest checkpoint, with the same global batch (`run.batch_size x run.accumulate_steps x max`)."""
+    resize_check_s: float = 60.0
+    """An elastic run (`num_workers: [min, max]`) looks this often whether more workers fit, and grows when they do
+    (Ray Train's `elastic_resize_monitor_interval_s`)."""
     use_gpu: bool = False
     """Give each worker one GPU (NCCL backend); CPU workers use gloo."""
     resources_per_worker: Dict[str, float] = field(default_factory=dict)
@@ -343,7 +348,8 @@ class RunSection:
     epochs: int = 1
     """Passes over the training set."""
     batch_size: int = 64
-    """Batch size per worker (the global batch is this times num_workers)."""
+    """Batch size per worker (the global batch is this times num_workers, times `accumulate_steps`; elastic, times
+    the range's max)."""
     seed: int = 0
     """Base seed; rank r seeds its RNGs with seed + r."""
     eval_every_n_epochs: int = 1
@@ -359,7 +365,8 @@ class RunSection:
     fine-tuning), under every preset, resume included."""
     accumulate_steps: int = 1
     """Micro-batches of `batch_size` per optimizer step (gradient accumulation): DDP syncs gradients on the last
-    only, the loss scale is updated once per step. Effective batch: batch_size x accumulate_steps x num_workers;
+    only, the loss scale is updated once per step. Effective batch: batch_size x accumulate_steps x num_workers (elastic:
+    its max, whatever the workers now);
     steps, `max_steps_per_epoch` and checkpoints count optimizer steps."""
     worker_output: str = "rank0"
     """What the user's code prints on the workers (stdout, stderr) reaches the console, each line prefixed by its

@@ -3,9 +3,9 @@
 import math
 import re
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.config import names, optim
+from orchestrator.config import names, optim, workers
 from orchestrator.config.imports import is_import_path
 from orchestrator.errors import BadInput
 from orchestrator.precision import float8
@@ -36,7 +36,11 @@ def _require(ok: bool, source: str, key: str, message: str) -> None:
 def validate(cfg: DictConfig, source: str) -> None:
     r = lambda ok, key, msg: _require(ok, source, key, msg)  # noqa: E731
 
-    r(cfg.scaling.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {cfg.scaling.num_workers}.")
+    num_workers = cfg.scaling.num_workers
+    num_workers = list(num_workers) if OmegaConf.is_list(num_workers) else num_workers
+    wrong = workers.problem(num_workers, cfg.run.batch_size, cfg.run.accumulate_steps)
+    r(wrong is None, "scaling.num_workers", str(wrong))
+    r(cfg.scaling.resize_check_s > 0, "scaling.resize_check_s", f"must be > 0, got {cfg.scaling.resize_check_s}.")
     for name, amount in cfg.scaling.resources_per_worker.items():
         r(amount >= 0, f"scaling.resources_per_worker.{name}", f"must be >= 0, got {amount}.")
     r(cfg.model.num_classes >= 1, "model.num_classes", f"must be >= 1, got {cfg.model.num_classes}.")

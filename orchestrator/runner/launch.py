@@ -8,6 +8,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend  # Ray 2.60: what TorchConfig sets up the workers with
 
+from orchestrator.config.workers import Workers
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.hooks.watchdog import collective_timeout_s
 from orchestrator.train.memory import allocator_env
@@ -94,10 +95,12 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
     `launched_at` (wall-clock seconds) is when submit began: the workers report `perf/time_to_first_step_s`
     from it. `relay`: the report relay, where the workers send what the user's code prints (`run.worker_output`).
     """
+    workers = Workers.of(cfg.scaling)
     scaling = ScalingConfig(
-        num_workers=cfg.scaling.num_workers,
+        num_workers=workers.for_ray(),  # (min, max): Ray Train's elastic scaling
         use_gpu=cfg.scaling.use_gpu,
         resources_per_worker=dict(cfg.scaling.resources_per_worker) or None,
+        **({"elastic_resize_monitor_interval_s": cfg.scaling.resize_check_s} if workers.elastic else {}),
     )
     run_config = RunConfig(
         name=run_name,

@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import default_collate
 
+from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput
 from orchestrator.runner import records
 from orchestrator.runner.checkpoints import newest
@@ -279,7 +280,7 @@ def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_sample
         return None
     where = f"run {run_name} from {stored.name}"
     check_model(stored.facts, {name: list(t.shape) for name, t in model.state_dict().items()}, cfg, where)
-    check_resume(stored.facts, Layout.of(cfg, train_samples, cfg.scaling.num_workers), where)
+    check_resume(stored.facts, Layout.of(cfg, train_samples, Workers.of(cfg.scaling).max), where)
     return stored.facts
 
 
@@ -319,12 +320,13 @@ def check_local_capacity(cfg: DictConfig) -> None:
     here, before Ray starts, instead of waiting forever for resources."""
     have = {"CPU": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
             "GPU": float(torch.cuda.device_count())}
-    workers = cfg.scaling.num_workers
+    workers = Workers.of(cfg.scaling).min  # an elastic run starts with what fits, at least its min
     for resource, per_worker in sorted(worker_resources(cfg).items(), key=lambda item: item[0] != "GPU"):
         need = per_worker * workers
         if need > have.get(resource, 0.0):
             raise BadInput(
-                f"scaling: the job asks for {need:g} {resource} ({workers} workers x {per_worker:g}), but this machine "
+                f"scaling: the job asks for {need:g} {resource} ({workers} workers x {per_worker:g}"
+                f"{', the least its elastic range takes' if Workers.of(cfg.scaling).elastic else ''}), but this machine "
                 f"has {have.get(resource, 0.0):g} and no cluster was given (--address / RAY_ADDRESS). Lower "
                 "scaling.num_workers or scaling.resources_per_worker"
                 + (", set scaling.use_gpu: false" if resource == "GPU" else "") + ", or submit to a cluster.")
@@ -337,7 +339,7 @@ def check_cluster_capacity(cfg: DictConfig) -> Optional[str]:
 
     total = ray.cluster_resources()
     for resource, per_worker in worker_resources(cfg).items():
-        need = per_worker * cfg.scaling.num_workers
+        need = per_worker * Workers.of(cfg.scaling).min  # an elastic run starts with at least its min
         if need > total.get(resource, 0.0):
             return (f"the cluster has {total.get(resource, 0.0):g} {resource} now and the job needs {need:g}; "
                     "training starts when an autoscaler adds nodes (Ctrl-C to stop).")

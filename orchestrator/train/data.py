@@ -6,8 +6,8 @@ scikit-learn's real 8x8 digits served as 3x32x32 so CIFAR models run unchanged;
 
 Two ways to feed a rank (`data.loader`): a torch DataLoader over its shard, or `DeviceLoader`, which
 keeps the whole split on the worker's device and slices batches out of it (no loader processes, no
-host-to-device copies per step). Both walk the same `ResumableSampler` order, so they give every
-rank the same samples in the same order.
+host-to-device copies per step). Both walk the same `ResumableSampler` order (an elastic run's: `ElasticSampler`),
+so they give every rank the same samples in the same order.
 """
 
 import importlib.util
@@ -15,7 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -24,9 +24,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.config.names import TORCHVISION_DATASETS, check_dataset_name
+from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train import vision
 from orchestrator.train.batch import Batches, BatchLayout
+from orchestrator.train.elastic import ElasticSampler
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 DIGITS_SPLIT_SEED = 0  # the digits split is fixed, whatever the job's seed
@@ -239,25 +241,44 @@ def collate_source(data_cfg, dataset: Dataset) -> str:
     return f"torch's default_collate (data.collate is null and {type(dataset).__name__} has no collate_fn)"
 
 
+@dataclass(frozen=True)
+class Elastic:
+    """An elastic run's global batch: `batch_size x accumulate_steps x max_world_size` samples a step."""
+
+    accumulate_steps: int
+    max_world_size: int
+
+
 def build_loaders(
     train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
     loader_workers: int, pin_memory: bool, collate: tuple[Optional[Callable], Optional[Callable]] = (None, None),
-) -> tuple[DataLoader, DataLoader, ResumableSampler]:
+    elastic: Optional[Elastic] = None,
+) -> tuple[DataLoader, DataLoader, Union[ResumableSampler, ElasticSampler]]:
     """Per-rank DataLoaders (`collate`: the train and eval sets' collate functions, None for torch's default);
-    call `position.set_position(epoch, batches_done, batch_size)` each epoch."""
-    train_sampler = train_shard(train, rank, world_size, seed)
+    call `position.set_position(epoch, batches_done, batch_size)` each epoch. `elastic`: an elastic run's order."""
+    train_sampler = train_shard(train, rank, world_size, seed, batch_size, elastic)
     # Own generators: creating an iterator must not draw from the global RNG, or a resumed run
     # would see a different global RNG state than the uninterrupted one.
-    common = dict(batch_size=batch_size, num_workers=loader_workers, pin_memory=pin_memory,
+    common = dict(num_workers=loader_workers, pin_memory=pin_memory,
                   persistent_workers=loader_workers > 0, generator=torch.Generator().manual_seed(seed + rank))
-    train_loader = DataLoader(train, sampler=train_sampler, drop_last=False, collate_fn=collate[0], **common)
-    test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), collate_fn=collate[1], **common)
+    if isinstance(train_sampler, ElasticSampler):  # it yields each micro-batch's indices
+        train_loader = DataLoader(train, batch_sampler=train_sampler, collate_fn=collate[0], **common)
+    else:
+        train_loader = DataLoader(train, sampler=train_sampler, batch_size=batch_size, drop_last=False,
+                                  collate_fn=collate[0], **common)
+    test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), batch_size=batch_size,
+                             collate_fn=collate[1], **common)
     return train_loader, test_loader, train_sampler
 
 
-def train_shard(train: Dataset, rank: int, world_size: int, seed: int) -> ResumableSampler:
+def train_shard(train: Dataset, rank: int, world_size: int, seed: int, batch_size: int = 1,
+                elastic: Optional[Elastic] = None) -> Union[ResumableSampler, ElasticSampler]:
     """Rank `rank`'s share of each epoch's shuffled order. The tail that does not divide by the world size
-    is dropped (a different few samples each epoch), so no sample is trained on twice in an epoch."""
+    is dropped (a different few samples each epoch), so no sample is trained on twice in an epoch. `elastic`:
+    the same steps on any world size (`orchestrator.train.elastic`), as micro-batches of indices."""
+    if elastic is not None:
+        return ElasticSampler(train, rank=rank, world_size=world_size, seed=seed, batch_size=batch_size,
+                              accumulate_steps=elastic.accumulate_steps, max_world_size=elastic.max_world_size)
     return ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
@@ -345,11 +366,22 @@ class DeviceLoader:
         self.epoch, self.first_batch = epoch, batches_done
         self.sampler.set_position(epoch, batches_done, batch_size)
 
+    @property
+    def dataset(self) -> Dataset:
+        return self.sampler.dataset
+
     def __len__(self) -> int:
+        if isinstance(self.sampler, ElasticSampler):
+            return len(self.sampler)
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.tensor(list(self.sampler), dtype=torch.long, device=self.split.images.device)
+        device = self.split.images.device
+        if isinstance(self.sampler, ElasticSampler):  # micro-batches of indices
+            for number, indices in enumerate(self.sampler, start=self.first_batch):
+                yield self._batch(torch.tensor(indices, dtype=torch.long, device=device), number)
+            return
+        order = torch.tensor(list(self.sampler), dtype=torch.long, device=device)
         for number, start in enumerate(range(0, len(order), self.batch_size), start=self.first_batch):
             yield self._batch(order[start:start + self.batch_size], number)
 
@@ -367,10 +399,11 @@ class DeviceLoader:
 
 def build_device_loaders(
     train: Dataset, test: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, augment: bool,
-    device: torch.device,
+    device: torch.device, elastic: Optional[Elastic] = None,
 ) -> tuple[DeviceLoader, DeviceLoader, DeviceLoader]:
     """`data.loader: device`: both splits moved to `device` once; returns (train, eval, position) like build_loaders."""
-    train_loader = DeviceLoader(device_split(train, augment=augment).to(device), train_shard(train, rank, world_size, seed),
+    train_loader = DeviceLoader(device_split(train, augment=augment).to(device),
+                                train_shard(train, rank, world_size, seed, batch_size, elastic),
                                 batch_size=batch_size, seed=seed, rank=rank)
     eval_loader = DeviceLoader(device_split(test, augment=False).to(device), ShardSampler(len(test), rank, world_size),
                                batch_size=batch_size, seed=seed, rank=rank)
@@ -382,7 +415,9 @@ def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device) ->
     yields `Batch`es, and the train loader's `position.set_position(epoch, batches_done, batch_size)` starts an
     epoch where a checkpoint left off."""
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
-    shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed)
+    workers = Workers.of(cfg.scaling)
+    elastic = Elastic(cfg.run.accumulate_steps, workers.max) if workers.elastic else None
+    shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed, elastic=elastic)
     from orchestrator.train import fast
 
     if fast.loader(cfg, (train_set, eval_set), device) == "device":  # on the device: batches are slices, no copies

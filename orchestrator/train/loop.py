@@ -104,8 +104,8 @@ class TrainingLoop:
         # `run.accumulate_steps` batches of it.
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
-        # Both loaders walk a DistributedSampler over the training set.
-        self.layout = Layout.of(cfg, len(self.train_loader.sampler.dataset), self.world_size)
+        # Both loaders walk a DistributedSampler over the training set (an elastic run: `ElasticSampler`).
+        self.layout = Layout.of(cfg, len(self.position.dataset), self.world_size)
         self.steps_per_epoch = self.layout.steps_per_epoch
 
         # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
@@ -158,15 +158,16 @@ class TrainingLoop:
         cfg = self.cfg
         for epoch in range(self.start_epoch, cfg.run.epochs):
             first = self.start_batches if epoch == self.start_epoch else 0
-            self.position.set_position(epoch, first * cfg.run.accumulate_steps, cfg.run.batch_size)
-            groups = in_groups(self.train_loader, cfg.run.accumulate_steps)
+            micro_batches = self.layout.micro_batches  # run.accumulate_steps; elastic: as the world size has it
+            self.position.set_position(epoch, first * micro_batches, cfg.run.batch_size)
+            groups = in_groups(self.train_loader, micro_batches)
             for index, batches in zip(range(first, self.steps_per_epoch), groups):
                 self.global_step += 1
                 log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
                 eval_due = self.due_mid_epoch(cfg.run.eval_every_n_steps, index)
                 mid_epoch = index + 1 < self.steps_per_epoch
                 checkpoint_due = self.due_mid_epoch(cfg.checkpoint.every_n_steps, index)
-                self.train_step(Step(self.global_step, epoch, index, batches),
+                self.train_step(Step(self.global_step, epoch, index, batches, self.loss_weights(batches)),
                                 settle=log_due or eval_due or checkpoint_due or not mid_epoch)
                 if self.preempted and mid_epoch:  # a notice reached a rank: checkpoint at this step boundary
                     self.training.precision.settle()
@@ -184,6 +185,15 @@ class TrainingLoop:
                 break
             if self.preempted and epoch + 1 < cfg.run.epochs:  # the epoch's end checkpointed (end_epoch)
                 raise self.preemption()
+
+    def loss_weights(self, batches: list) -> Optional[list[float]]:
+        """An elastic run's micro-batches of unequal sizes: each one's share of the global batch, times the world
+        size (DDP and FSDP average over the ranks); None when every rank's are all equal (each loss is divided by
+        their number)."""
+        global_batch = self.layout.global_batch
+        if global_batch is None or global_batch % (self.world_size * self.layout.micro_batches) == 0:
+            return None
+        return [batch.size * self.world_size / global_batch for batch in batches]
 
     def preemption(self) -> Preempted:
         return Preempted(f"a preemption notice (SIGTERM) reached a rank: checkpointed at step {self.global_step}; "
@@ -255,7 +265,8 @@ class TrainingLoop:
     def new_report(self, epoch: int) -> Report:
         return Report(step=self.global_step, epoch=epoch + 1, epochs=self.cfg.run.epochs,
                       total_steps=self.total_steps,
-                      metrics={"optim/lr": float(self.training.optimizer.param_groups[0]["lr"])})
+                      metrics={"optim/lr": float(self.training.optimizer.param_groups[0]["lr"]),
+                               "system/world_size": float(self.world_size)})
 
     def send(self, report: Report, checkpoint_at: Optional[tuple[int, int]] = None) -> None:
         """Number the report, let every hook add to it, and hand it over; with `checkpoint_at=(epoch,

@@ -10,7 +10,9 @@ beside it as `ampflow_checkpoint.json`, small enough for the driver to read from
 - a checkpoint taken at the end of an epoch goes on at the start of the next one, whatever the world size,
   batch size, accumulation or data set size are now: an epoch's order depends only on the seed and the epoch;
 - more or fewer epochs, or another `run.max_steps_per_epoch`, when the schedule does not depend on the run's
-  length (`optim.schedule: none` without warmup); a shorter `max_steps_per_epoch` ends the epoch sooner.
+  length (`optim.schedule: none` without warmup); a shorter `max_steps_per_epoch` ends the epoch sooner;
+- an elastic run (`scaling.num_workers: [min, max]`) in the middle of an epoch on another number of workers, the
+  max unchanged: each step is the same global batch, the same samples, on any number of ranks.
 Refused (`IncompatibleResume`, exit 2 before Ray starts), naming the key and both values:
 - another model (a parameter or buffer missing, added, or of another shape);
 - in the middle of an epoch, another world size, batch size, accumulation or data set size: the samples left
@@ -26,6 +28,7 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
+from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput
 
 FACTS_FORMAT = 1
@@ -36,11 +39,15 @@ class IncompatibleResume(BadInput):
 
 
 def steps_per_epoch(train_samples: int, world_size: int, batch_size: int, accumulate_steps: int,
-                    max_steps_per_epoch: Optional[int]) -> int:
+                    max_steps_per_epoch: Optional[int], max_world_size: Optional[int] = None) -> int:
     """Optimizer steps in an epoch: each rank's shard (the tail that does not divide by the world size dropped)
     in batches (the last one partial), grouped by `accumulate_steps` (an incomplete group dropped), at most
-    `max_steps_per_epoch`."""
-    steps = math.ceil((train_samples // world_size) / batch_size) // accumulate_steps
+    `max_steps_per_epoch`. Elastic (`max_world_size` given): the whole global batches (`batch_size x
+    accumulate_steps x max_world_size`) in the epoch, whatever the world size."""
+    if max_world_size is not None:
+        steps = train_samples // (batch_size * accumulate_steps * max_world_size)
+    else:
+        steps = math.ceil((train_samples // world_size) / batch_size) // accumulate_steps
     return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)
 
 
@@ -63,20 +70,39 @@ class Layout:
     world_size: int
     batch_size: int
     accumulate_steps: int
+    """`run.accumulate_steps` (elastic: micro-batches of the global batch per `max_world_size` ranks)."""
     train_samples: int
     steps_per_epoch: int
     epochs: int
     total_steps: int
     schedule: dict[str, Any] = field(default_factory=dict, compare=False)
+    max_world_size: Optional[int] = None
+    """An elastic run's largest world size (its global batch is `batch_size x accumulate_steps x` it); None for a
+    fixed one."""
 
     @classmethod
     def of(cls, cfg, train_samples: int, world_size: int, total_steps: Optional[int] = None) -> "Layout":
         """The job's layout on `world_size` ranks; `total_steps` defaults to a run from the start."""
+        workers = Workers.of(cfg.scaling)
+        max_world_size = workers.max if workers.elastic else None
         per_epoch = steps_per_epoch(train_samples, world_size, cfg.run.batch_size, cfg.run.accumulate_steps,
-                                    cfg.run.max_steps_per_epoch)
+                                    cfg.run.max_steps_per_epoch, max_world_size)
         return cls(world_size, cfg.run.batch_size, cfg.run.accumulate_steps, train_samples, per_epoch,
                    cfg.run.epochs, per_epoch * cfg.run.epochs if total_steps is None else total_steps,
-                   schedule_of(cfg.optim))
+                   schedule_of(cfg.optim), max_world_size)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each rank trains per optimizer step."""
+        if self.max_world_size is None:
+            return self.accumulate_steps
+        return Workers(1, self.max_world_size, True).micro_batches(self.accumulate_steps, self.world_size)
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        """Samples in an optimizer step over every rank, when every step has as many (elastic); else None (the
+        epoch's last batch may be partial)."""
+        return self.batch_size * self.accumulate_steps * self.max_world_size if self.max_world_size else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,9 +189,16 @@ def check_model(facts: CheckpointFacts, job_shapes: Mapping[str, list[int]], cfg
             "set model.name / model.kwargs / model.num_classes back, or start a new run without --resume.")
 
 
-_CHANGEABLE_AT_EPOCH_END = (("scaling.num_workers", "world_size"), ("run.batch_size", "batch_size"),
-                            ("run.accumulate_steps", "accumulate_steps"),
-                            ("data (training samples)", "train_samples"))
+_CHANGEABLE_AT_EPOCH_END = (("scaling.num_workers", "world_size"),
+                            ("scaling.num_workers (elastic max)", "max_world_size"), ("run.batch_size", "batch_size"),
+                            ("run.accumulate_steps", "accumulate_steps"), ("data (training samples)", "train_samples"))
+
+
+def _changeable_mid_epoch(saved: Layout, job: Layout) -> tuple[tuple[str, str], ...]:
+    """What must match to go on in the middle of an epoch: an elastic run's steps are the same samples on any
+    number of ranks (the same global batch), so its world size may change (within the job's range)."""
+    elastic = saved.max_world_size is not None and saved.max_world_size == job.max_world_size
+    return tuple(entry for entry in _CHANGEABLE_AT_EPOCH_END if not (elastic and entry[1] == "world_size"))
 
 
 def check_resume(facts: CheckpointFacts, job: Layout, where: str) -> Resumed:
@@ -188,7 +221,7 @@ def check_resume(facts: CheckpointFacts, job: Layout, where: str) -> Resumed:
     if done >= saved.steps_per_epoch:
         epoch, done = epoch + 1, 0
     else:
-        for key, name in _CHANGEABLE_AT_EPOCH_END:
+        for key, name in _changeable_mid_epoch(saved, job):
             before, now = getattr(saved, name), getattr(job, name)
             if before != now:
                 raise refuse(key, before, now,

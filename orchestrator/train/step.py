@@ -28,6 +28,9 @@ class Step:
     """The step's place in its epoch, from 0."""
     batches: list[Batch] = field(default_factory=list)
     """Its micro-batches (`run.accumulate_steps` of them), on the host as the loader gave them."""
+    weights: Optional[list[float]] = None
+    """What each micro-batch's loss is multiplied by before backward, when they differ in size (an elastic run's
+    global batch shared out unevenly: its size x world size / global batch); None: 1 / their number."""
     loss: Optional[torch.Tensor] = None
     """The micro-batches' mean loss, on the device, once backward ran (what the step decides on)."""
     outcome: Optional[StepOutcome] = None
@@ -51,9 +54,9 @@ def train_step(training: Training, inputs, targets, device: torch.device, step: 
 def accumulated_step(training: Training, step: Step, device: torch.device,
                      after_backward: Optional[Callable[[Step], None]] = None) -> None:
     """One optimizer step over `step.batches` (`run.accumulate_steps` of them): forward and backward of each,
-    the loss divided by their number, the gradients' reduction only on the last; `after_backward(step)`; then
-    one step (unscale, clip, step or skip) and one loss-scale update. Sets `step.loss` (the micro-batches' mean
-    loss) and `step.outcome`."""
+    the loss divided by their number (or times `step.weights`), the gradients' reduction only on the last;
+    `after_backward(step)`; then one step (unscale, clip, step or skip) and one loss-scale update. Sets `step.loss`
+    (the mean loss of this rank's samples) and `step.outcome`."""
     model, precision = training.prepared.model, training.precision
     micro_batches = step.batches
     training.optimizer.zero_grad(set_to_none=True)
@@ -64,9 +67,16 @@ def accumulated_step(training: Training, step: Step, device: torch.device,
         with contextlib.nullcontext() if last else training.strategy.no_sync():
             with precision.forward():
                 loss = training.loss(batch.forward(model), batch.targets)
-            precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
+            if step.weights is not None:
+                precision.backward(loss * step.weights[index])
+            else:
+                precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
         losses.append(loss.detach())
-    step.loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    if step.weights is not None:  # the mean over this rank's samples
+        weights = torch.tensor(step.weights, device=losses[0].device)
+        step.loss = (torch.stack(losses) * weights).sum() / sum(step.weights)
+    else:
+        step.loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     if after_backward is not None:
         after_backward(step)
     step.outcome = precision.step(training.optimizer, step.loss, step.number, training.clip_grad_norm,

@@ -1,0 +1,70 @@
+"""What `scaling.num_workers` says: a fixed number of workers, or an elastic range `[min, max]`.
+
+An elastic run keeps its global batch whatever the number of workers W: a step is `run.batch_size x
+run.accumulate_steps x max` samples, split over the W ranks in `micro_batches(W)` micro-batches each
+(`orchestrator.train.data.ElasticSampler`); see docs/deploy.md, "Elastic runs", for why.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from omegaconf import ListConfig
+
+
+@dataclass(frozen=True)
+class Workers:
+    min: int
+    max: int
+    elastic: bool
+
+    @classmethod
+    def of(cls, scaling: Any) -> "Workers":
+        """The count of a `scaling` section (or a bare `num_workers` value), checked by `problem` first."""
+        value = scaling.num_workers if hasattr(scaling, "num_workers") else scaling
+        if isinstance(value, (list, tuple, ListConfig)):
+            low, high = (int(v) for v in value)
+            return cls(low, high, True)
+        return cls(int(value), int(value), False)
+
+    def for_ray(self) -> Union[int, tuple[int, int]]:
+        """Ray Train's `ScalingConfig(num_workers=...)`: an int, or `(min, max)` for elastic scaling."""
+        return (self.min, self.max) if self.elastic else self.max
+
+    def __str__(self) -> str:
+        return f"[{self.min}, {self.max}]" if self.elastic else str(self.max)
+
+    def micro_batches(self, accumulate_steps: int, world_size: int) -> int:
+        """Micro-batches each of `world_size` ranks trains per optimizer step: `accumulate_steps` for a fixed count;
+        elastic, the `accumulate_steps x max` micro-batches of the global batch shared out, rounded up (the
+        samples are then spread evenly over them: every rank runs as many forward and backward passes)."""
+        if not self.elastic:
+            return accumulate_steps
+        return math.ceil(accumulate_steps * self.max / world_size)
+
+
+def problem(value: Any, batch_size: int, accumulate_steps: int) -> Optional[str]:
+    """What is wrong with a `scaling.num_workers` value, or None."""
+    if isinstance(value, (list, tuple, ListConfig)):
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return f"an elastic range is two whole numbers [min, max], got {list(value)}."
+        low, high = value
+        if not 1 <= low <= high:
+            return f"an elastic range [min, max] needs 1 <= min <= max, got [{low}, {high}]."
+        if batch_size < 1 or accumulate_steps < 1:
+            return None  # their own checks say so
+        workers = Workers(low, high, True)
+        global_batch = batch_size * accumulate_steps * high
+        for world_size in range(low, high + 1):
+            if world_size * workers.micro_batches(accumulate_steps, world_size) > global_batch:
+                return (f"with {world_size} workers the global batch of {global_batch} samples (run.batch_size x "
+                        f"run.accumulate_steps x {high}) cannot give each rank "
+                        f"{workers.micro_batches(accumulate_steps, world_size)} non-empty micro-batches. Raise "
+                        "run.batch_size to 2 or more, or use a range whose every count divides "
+                        f"run.accumulate_steps x {high}.")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"a number of workers, or an elastic range [min, max], got {value!r}."
+    if value < 1:
+        return f"must be >= 1, got {value}."
+    return None
