@@ -13,6 +13,8 @@ this module like any user code (it is shipped with the job). Steps are global op
   kill would: no exception, no cleanup. With a `marker` file, only once (a restarted worker group lives).
 - `AwaitNodeLoss`: at a step, a rank writes its Ray node's ID to a marker file and waits for the test to remove
   that node from a multi-node cluster (`ray.cluster_utils.Cluster`): a node lost mid-epoch.
+- `AwaitResize`: at a step of an attempt on a given number of ranks, rank 0 writes a marker file and waits for
+  the test to add a node, and Ray Train to grow the worker group (an elastic run).
 - `AwaitPreemption`: at a step, a rank writes its process ID to a marker file and waits inside the step for the
   test's SIGTERM (a preemption notice).
 - `StallForward`: a rank's forward blocks for good from a step on (a deadlocked model, a hung read), while its peers
@@ -108,6 +110,22 @@ class AwaitNodeLoss:
         Path(self.marker + ".tmp").write_text(ray.get_runtime_context().get_node_id())
         os.replace(self.marker + ".tmp", self.marker)
         time.sleep(self.wait_s)  # the node goes meanwhile; should it not, the run goes on and the test fails
+
+
+class AwaitResize:
+    def __init__(self, world_size: int, at_step: int, marker: str, wait_s: float = 120.0):
+        """At `at_step` of an attempt on `world_size` ranks, rank 0 writes the step to `marker` (once) and waits
+        there for Ray Train to resize the worker group (the attempt ends with that); the other ranks wait in the
+        step's collectives meanwhile."""
+        self.world_size, self.at_step, self.marker, self.wait_s = world_size, at_step, marker, wait_s
+
+    def before_step(self, loop, step) -> None:
+        if (loop.rank != 0 or loop.world_size != self.world_size or step.number != self.at_step
+                or Path(self.marker).exists()):
+            return
+        Path(self.marker + ".tmp").write_text(str(step.number))
+        os.replace(self.marker + ".tmp", self.marker)
+        time.sleep(self.wait_s)  # a node joins meanwhile; should the group not grow, the run goes on and the test fails
 
 
 class AwaitPreemption:

@@ -180,3 +180,20 @@ def test_a_run_that_loses_a_rank_mid_epoch_goes_on_from_its_checkpoint_each_samp
         ids = [i for records in steps.values() for r in records if r["epoch"] == epoch for mb in r["ids"] for i in mb]
         assert sorted(ids) == list(range(96)), epoch
     assert json.loads(json.dumps(result["reports"][-1].metrics))["system/world_size"] == 1.0
+
+
+def test_the_console_says_when_the_worker_group_changes_size(capsys):
+    """The driver's writer, from the reports in order: a restarted attempt first sends again the report of the
+    checkpoint it resumed from (the old group's size), then its own."""
+    from orchestrator.tracking.writer import MlflowWriter
+    from orchestrator.train.report import Report
+
+    writer = MlflowWriter(relay=None)
+    sized = lambda seq, step, size, **tags: Report(seq=seq, step=step, metrics={"system/world_size": size},  # noqa
+                                                   tags=tags)
+    writer.accept([sized(1, 1, 1.0), sized(2, 2, 1.0)])
+    writer.accept([sized(2, 2, 1.0, resumed_from_step="2"), sized(3, 3, 2.0), sized(4, 4, 2.0)])
+    writer.accept([sized(4, 4, 2.0, resumed_from_step="4"), sized(5, 5, 1.0)])
+    assert capsys.readouterr().err.splitlines() == [
+        "elastic: the run goes on with 2 worker(s) (was 1) from step 3, with the same global batch.",
+        "elastic: the run goes on with 1 worker(s) (was 2) from step 5, with the same global batch."]

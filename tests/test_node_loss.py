@@ -72,3 +72,24 @@ def test_ray_reports_of_a_dead_node_stay_off_the_console_and_others_are_printed(
     assert "[state-dump]" not in out and "marked dead" not in out
     assert "A worker died or was killed while executing a task." in out
     assert "[state-dump] Node ID: 0495" in caplog.text  # in Ray's log, not lost
+
+
+def test_a_loss_after_an_earlier_restart_waits_for_its_own_restart_s_resume(monkeypatch):
+    """The controller's watch: a worker group that resumed from step 2 (an elastic grow, a crash) later loses a node.
+    The loss goes to the relay without a resume (the driver completes it with the next group's first report), never
+    with the failed group's step 2."""
+    from types import SimpleNamespace
+
+    from orchestrator.tracking import nodes
+
+    pushed = []
+    relay = SimpleNamespace(push=SimpleNamespace(remote=pushed.append))
+    worker = lambda node: SimpleNamespace(metadata=SimpleNamespace(node_id=node, node_ip="10.0.0.9"))  # noqa: E731
+    monkeypatch.setattr(nodes, "dead_nodes", lambda suspects: {"lost-node"} & set(suspects))
+    watch = nodes.NodeLossWatch(relay)
+    watch.after_worker_group_start(SimpleNamespace(get_workers=lambda: [worker("kept-node"), worker("lost-node")]))
+    watch.after_report(None, [{"tags": {"resumed_from_step": "2"}, "step": 2}])
+    watch.after_report(None, [{"step": 6}])
+    watch.after_worker_group_poll_status(SimpleNamespace(errors={1: RuntimeError("gone")}))
+    (lost,) = pushed
+    assert (lost.node_id, lost.ranks, lost.last_step, lost.resumed_from_step) == ("lost-node", [1], 6, None)

@@ -117,6 +117,7 @@ class NodeLossWatch(WorkerGroupCallback, ReportCallback):
                     node_id, (NodeLost(node_id, node_ip, [], time.time(), last_step=self.newest_step), until))
                 lost.ranks = sorted({*lost.ranks, rank})
             self.placement = {}
+            self.resumed_from = None  # the failed group's: the next group's resume is not reported yet
             self._tell(force=True)
         elif self.suspects:
             self._tell()

@@ -77,6 +77,8 @@ class MlflowWriter:
         """The nodes the run lost (`orchestrator.tracking.nodes`), told once the restarted attempt reports."""
         self.printed: deque[str] = deque()
         """What the workers printed (`run.worker_output`), not yet shown on the console."""
+        self.world_size: Optional[float] = None
+        """The number of workers of the newest report (`system/world_size`): an elastic run's changes are told."""
         self.outage_since: Optional[float] = None
         self._retry_at, self._backoff = 0.0, 1.0
         self._stop = threading.Event()
@@ -161,7 +163,19 @@ class MlflowWriter:
             if isinstance(item, NodeLost):  # the newest step before it, when the controller had none
                 self._tell_node_losses(*self.node_losses.lost(item, self.newest.get("step")))
             else:
+                self._tell_resize(item)
                 self.enqueue(item)
+
+    def _tell_resize(self, report: Report) -> None:
+        """A report from a worker group of another size than the last one's: an elastic run resized (the first
+        report of a restarted attempt is the one it resumed from, sent again: the group before it)."""
+        size = report.metrics.get("system/world_size")
+        if size is None:
+            return
+        if self.world_size is not None and size != self.world_size:
+            print(f"elastic: the run goes on with {int(size)} worker(s) (was {int(self.world_size)}) from step "
+                  f"{report.step}, with the same global batch.", file=sys.stderr)
+        self.world_size = size
 
     def _tell_node_losses(self, lines: list[str], tags: dict[str, str]) -> None:
         for line in lines:
