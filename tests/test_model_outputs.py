@@ -95,7 +95,7 @@ def test_a_hugging_face_class_is_built_from_its_config_and_num_classes_is_its_nu
 
 
 def test_an_exported_program_takes_its_inputs_by_keyword_as_the_forward_does(bert):
-    from orchestrator.tracking.model_files import accept_keywords
+    from orchestrator.tracking.ampflow_pyfunc import accept_keywords
 
     ids, mask = tokens()
     handle = bert.register_forward_hook(lambda module, args, output: plain(output))
@@ -113,7 +113,8 @@ def test_an_exported_program_takes_its_inputs_by_keyword_as_the_forward_does(ber
         program(ids, mask=mask)
 
 
-def test_each_loader_of_the_logged_program_takes_the_call_shapes_the_docs_give_it(bert, mlflow_uri):
+def test_each_loader_of_the_logged_program_takes_the_call_shapes_the_docs_give_it(bert, mlflow_uri, tmp_path,
+                                                                                 monkeypatch):
     """`mlflow.pytorch.load_model`: positionally only, in the signature's order (torch's check of an exported
     program takes the one call shape it was exported with); the pyfunc's `get_raw_model()` and ampflow's own
     loader (`RunTracker.load_model`, predict, export): positionally or by the forward's names."""
@@ -123,6 +124,7 @@ def test_each_loader_of_the_logged_program_takes_the_call_shapes_the_docs_give_i
     from orchestrator.tracking.logged_model import ModelInputs
     from orchestrator.tracking.tracker import RunTracker
 
+    monkeypatch.chdir(tmp_path)  # the store's artifacts (./mlruns) go there
     cfg = load_job(REPO / "jobs" / "quickstart.yaml", [f"tracking.uri={mlflow_uri}"])
     tracker = RunTracker.start(mlflow_uri, cfg, run_name="bert", tags={}, params={}, config_yaml="")
     ids, mask = tokens(2, 5)

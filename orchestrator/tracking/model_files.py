@@ -24,7 +24,6 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 from orchestrator.errors import BadInput
-from orchestrator.tracking.ampflow_pyfunc import accept_keywords  # the pyfunc's own: one binding for both loaders
 
 PICKLE_FILES = ("model.pth", "pickle_module_info.txt")
 """What MLflow's PyTorch flavour writes for a pickled model; found beside a pt2 program, it was planted."""
@@ -37,6 +36,9 @@ def load_pt2_model(model_uri: str, what: str):
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=downloaded))
         _check_files(local, what)
         _drop_code(local)
+        # the pyfunc's own binding of the forward's names (it imports mlflow.pytorch, which takes seconds)
+        from orchestrator.tracking.ampflow_pyfunc import accept_keywords
+
         try:
             with _pickle_refused():
                 return accept_keywords(mlflow.pytorch.load_model(str(local)))
