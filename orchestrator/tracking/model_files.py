@@ -36,7 +36,7 @@ def load_pt2_model(model_uri: str, what: str):
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=downloaded))
         _check_files(local, what)
         _drop_code(local)
-        # the pyfunc's own binding of the forward's names (it imports mlflow.pytorch, which takes seconds)
+        # the pyfunc's own binding of the forward's names (imported here: it imports mlflow.pytorch, over a second)
         from orchestrator.tracking.ampflow_pyfunc import accept_keywords
 
         try:
