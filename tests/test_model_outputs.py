@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import BertConfig, BertForSequenceClassification
 
+from conftest import REPO
 from orchestrator.config.schema import TaskSection
 from orchestrator.errors import BadInput
 from orchestrator.train.batch import BatchLayout, plain
@@ -94,7 +95,7 @@ def test_a_hugging_face_class_is_built_from_its_config_and_num_classes_is_its_nu
 
 
 def test_an_exported_program_takes_its_inputs_by_keyword_as_the_forward_does(bert):
-    from orchestrator.tracking.model_files import accept_keywords
+    from orchestrator.tracking.ampflow_pyfunc import accept_keywords
 
     ids, mask = tokens()
     handle = bert.register_forward_hook(lambda module, args, output: plain(output))
@@ -110,6 +111,38 @@ def test_an_exported_program_takes_its_inputs_by_keyword_as_the_forward_does(ber
     with pytest.raises(TypeError, match="the model takes input_ids, attention_mask; unknown: mask; missing: "
                                         "attention_mask"):
         program(ids, mask=mask)
+
+
+def test_each_loader_of_the_logged_program_takes_the_call_shapes_the_docs_give_it(bert, mlflow_uri, tmp_path,
+                                                                                 monkeypatch):
+    """`mlflow.pytorch.load_model`: positionally only, in the signature's order (torch's check of an exported
+    program takes the one call shape it was exported with); the pyfunc's `get_raw_model()` and ampflow's own
+    loader (`RunTracker.load_model`, predict, export): positionally or by the forward's names."""
+    import mlflow
+
+    from orchestrator.config import load_job
+    from orchestrator.tracking.logged_model import ModelInputs
+    from orchestrator.tracking.tracker import RunTracker
+
+    monkeypatch.chdir(tmp_path)  # the store's artifacts (./mlruns) go there
+    cfg = load_job(REPO / "jobs" / "quickstart.yaml", [f"tracking.uri={mlflow_uri}"])
+    tracker = RunTracker.start(mlflow_uri, cfg, run_name="bert", tags={}, params={}, config_yaml="")
+    ids, mask = tokens(2, 5)
+    inputs = ModelInputs.from_example(bert, {"named": {"input_ids": ids, "attention_mask": mask},
+                                             "variable": {"input_ids": [1], "attention_mask": [1]}})
+    assert tracker.log_model(bert, inputs) == "pt2"
+    ids, mask = tokens(3, 9)
+    expected = bert(input_ids=ids, attention_mask=mask).logits
+
+    uri = f"runs:/{tracker.run_id}/model"
+    plain_program = mlflow.pytorch.load_model(uri)
+    assert torch.allclose(plain_program(ids, mask)["logits"], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="kwarg keyword mismatch"):
+        plain_program(input_ids=ids, attention_mask=mask)
+    for program in (mlflow.pyfunc.load_model(uri).get_raw_model(), tracker.load_model()):
+        for outputs in (program(ids, mask), program(input_ids=ids, attention_mask=mask),
+                        program(attention_mask=mask, input_ids=ids), program(ids, attention_mask=mask)):
+            assert torch.allclose(outputs["logits"], expected, atol=1e-5)
 
 
 def test_the_logged_signature_has_the_prediction_of_a_model_output(bert):

@@ -156,3 +156,69 @@ def test_the_command_writes_predictions_and_refuses_bad_input_with_exit_2(logged
         assert code == 2 and err.startswith("error: ") and message in err, err
     assert predict(run_id, "--output", str(tmp_path / "x.csv"))[1].startswith("error: --output: ")
     assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.csv").exists()
+
+
+def test_per_token_outputs_of_batches_of_different_lengths_are_padded_to_the_longest(tmp_path, monkeypatch,
+                                                                                     new_store, write_job):
+    """A token classifier over variable-length text, padded batch by batch by the job's collate: the eval split's
+    outputs are `(samples, longest, classes)`, each batch's in its rows and first columns, -100 past its end (as
+    Hugging Face's Trainer.predict pads), and `ampflow predict --output preds.npy` writes the same array."""
+    import shutil
+    import sys
+
+    from orchestrator import predict
+    from orchestrator.cli.ampflow import main
+    from orchestrator.config import flatten, load_job, to_yaml
+    from orchestrator.runner.export import eval_batches
+    from orchestrator.runner.predict import PAD_VALUE
+    from orchestrator.tracking.logged_model import ModelInputs
+    from orchestrator.tracking.tracker import RunTracker
+    from orchestrator.train.data import build_datasets
+    from orchestrator.train.models import build_model
+
+    example = tmp_path / "text"
+    shutil.copytree(REPO / "examples" / "text-classification", example)
+    monkeypatch.chdir(example)
+    monkeypatch.delitem(sys.modules, "textcls", raising=False)
+    uri = new_store(tmp_path)
+    cfg = load_job(write_job({
+        "model": {"name": "tiny_nets:TokenTagger", "num_classes": 3},
+        "data": {"name": "textcls:make_datasets", "kwargs": {"train_samples": 8, "eval_samples": 20},
+                 "collate": "textcls:pad_collate"},
+        "task": {"inputs": ["input_ids", "attention_mask"], "target": "labels"},
+        "precision": {"preset": "O0"}, "tracking": {"uri": uri}}))
+    tracker = RunTracker.start(uri, cfg, run_name="tagger", tags={}, params=flatten(cfg), config_yaml=to_yaml(cfg))
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    eval_set = build_datasets(cfg.data, cfg.model.num_classes)[1]
+    batches = list(eval_batches(cfg, eval_set, batch_size=6))
+    lengths = [batch.kwargs["input_ids"].shape[1] for batch in batches]
+    assert len(set(lengths)) > 1  # the batches are padded to different lengths
+    first = batches[0].kwargs
+    inputs = ModelInputs.from_example(model, {"named": dict(first), "variable": {name: [1] for name in first}})
+    assert tracker.log_model(model, inputs) == "pt2"
+    tracker.finish("FINISHED")
+
+    outputs = predict(tracker.run_id, "eval", batch_size=6, tracking_uri=uri)
+    assert outputs.shape == (len(eval_set), max(lengths), 3) and outputs.dtype == torch.float32
+    row = 0
+    with torch.no_grad():
+        for batch, length in zip(batches, lengths):
+            rows = slice(row, row + len(batch.kwargs["input_ids"]))
+            assert torch.allclose(outputs[rows, :length], batch.forward(model), atol=1e-6)
+            assert (outputs[rows, length:] == PAD_VALUE).all()
+            row = rows.stop
+    assert row == len(eval_set)
+
+    assert main(["predict", tracker.run_id, "--output", str(tmp_path / "preds.npy"), "--batch-size", "6",
+                 "--tracking-uri", uri]) == 0
+    assert np.array_equal(np.load(tmp_path / "preds.npy"), outputs.numpy())
+
+
+def test_outputs_that_cannot_hold_the_pad_are_padded_with_zeros_and_other_ranks_are_refused():
+    from orchestrator.runner.predict import _concat
+
+    masks = _concat([{"mask": torch.ones(1, 2, dtype=torch.bool)}, {"mask": torch.ones(2, 3, dtype=torch.bool)}])
+    assert masks["mask"].tolist() == [[True, True, False], [True, True, True], [True, True, True]]
+    with pytest.raises(BadInput, match=r"cannot be joined batch after batch: their shapes \[\(2,\), \(2, 3\)\]"):
+        _concat([torch.zeros(2, 3), torch.zeros(2)])

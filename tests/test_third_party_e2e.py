@@ -44,7 +44,8 @@ def test_a_bare_hugging_face_model_trains_exports_predicts_and_takes_keywords(ra
                                                                                text_example, write_job, capsys):
     """The default loss and accuracy read the `SequenceClassifierOutput`'s logits; the logged program returns a
     dict and loads without transformers; export (bfloat16) leaves the run's end alone; predict over the eval
-    split pads its batches with the job's collate; the export takes `input_ids=..., attention_mask=...`.
+    split pads its batches with the job's collate; the export takes `input_ids=..., attention_mask=...`; plain
+    `mlflow.pytorch.load_model` takes the inputs positionally, the pyfunc's raw model by keyword too.
 
     Long: one BERT training run through submit, then an export and predictions, each loading the logged model."""
     import orchestrator
@@ -72,16 +73,29 @@ def test_a_bare_hugging_face_model_trains_exports_predicts_and_takes_keywords(ra
     assert type(by_keyword) is dict and torch.equal(by_keyword["logits"], exported(ids, mask)["logits"])
     assert "Downloading artifacts" not in capsys.readouterr().err
 
-    # Anyone loads the logged program without importing transformers, and its pyfunc gives an array.
+    # Anyone loads the logged program without importing transformers, and its pyfunc gives an array. Plain
+    # `mlflow.pytorch.load_model` takes the inputs positionally, in the signature's order (torch refuses any other
+    # call shape of an exported program); the pyfunc's raw model takes them positionally or by keyword.
     script = ("import sys, mlflow, numpy as np, torch\n"
               f"mlflow.set_tracking_uri({uri!r})\n"
               f"uri = 'runs:/{run.info.run_id}/model'\n"
               "ids, mask = torch.randint(1, 60, (2, 5)), torch.ones(2, 5, dtype=torch.bool)\n"
-              "out = mlflow.pytorch.load_model(uri)(ids, mask)\n"
-              "pred = mlflow.pyfunc.load_model(uri).predict({'input_ids': ids.numpy(), 'attention_mask': mask.numpy()})\n"
-              "print(type(out).__name__, type(pred).__name__, pred.shape, 'transformers' in sys.modules)\n")
+              "net = mlflow.pytorch.load_model(uri)\n"
+              "out = net(ids, mask)\n"
+              "try:\n"
+              "    net(input_ids=ids, attention_mask=mask); plain = 'keywords'\n"
+              "except ValueError as exc:\n"
+              "    plain = 'positional-only' if 'keyword mismatch' in str(exc) else repr(exc)\n"
+              "pyfunc = mlflow.pyfunc.load_model(uri)\n"
+              "raw = pyfunc.get_raw_model()\n"
+              "same = all(torch.equal(call()['logits'], out['logits']) for call in (\n"
+              "    lambda: raw(ids, mask), lambda: raw(input_ids=ids, attention_mask=mask),\n"
+              "    lambda: raw(ids, attention_mask=mask)))\n"
+              "pred = pyfunc.predict({'input_ids': ids.numpy(), 'attention_mask': mask.numpy()})\n"
+              "print(type(out).__name__, plain, same, type(pred).__name__, pred.shape, 'transformers' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.stdout.split()[-5:] == ["dict", "ndarray", "(2,", "4)", "False"], done.stderr[-2000:]
+    assert done.stdout.split()[-7:] == ["dict", "positional-only", "True", "ndarray", "(2,", "4)", "False"], \
+        done.stderr[-2000:]
 
 
 def test_a_hugging_face_model_trains_with_its_own_loss(ray_session, new_store, tmp_path, text_example, write_job):

@@ -36,3 +36,15 @@ class Float64Output(nn.Module):
 
     def forward(self, x):
         return (x.flatten(1) @ self.weight).double()
+
+
+class TokenTagger(nn.Module):
+    """A per-token classifier (token classification, as named-entity taggers are): `(batch, length, classes)`
+    scores for a batch of token ids padded to its longest sentence."""
+
+    def __init__(self, num_classes: int = 4, vocab_size: int = 128, dim: int = 8):
+        super().__init__()
+        self.tokens, self.head = nn.Embedding(vocab_size, dim), nn.Linear(dim, num_classes)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.tokens(input_ids) * attention_mask.unsqueeze(-1))

@@ -17,7 +17,9 @@ dict, a Hugging Face `ModelOutput`) the one the run's `task.output` names, else 
 run's own eval split (`"eval"`, built from its `data` section and batched as its evaluation was: `data.collate`,
 `task.inputs`), a map-style dataset, or an iterable of batches;
 a dataset's `(inputs, target)` items give their inputs. The outputs come back on the CPU, in the dtype the
-model computed them in, a dataset's concatenated in its order.
+model computed them in, a dataset's concatenated in its order; outputs whose size past the first dim varies
+between batches (per-token logits of text padded batch by batch) are padded at the end to the longest with
+`PAD_VALUE`, as Hugging Face's `Trainer.predict` pads them.
 """
 
 import contextlib
@@ -46,6 +48,10 @@ from orchestrator.train.task import prediction
 TRAINED_MODEL = "model"
 """The name a run logs its fp32 model under; an export is `model_<dtype>`."""
 EVAL_SPLIT = "eval"
+PAD_VALUE = -100
+"""What fills a dataset's outputs past the end of a shorter batch's (the places no input had): Hugging Face's
+`Trainer.predict` pads across batches with it, and it is the ignore index of torch's and Hugging Face's token
+losses. Outputs that cannot hold it (bool, unsigned) are filled with 0 (False)."""
 
 
 @dataclass
@@ -183,7 +189,7 @@ def _to(value: Any, device: torch.device) -> Any:
 def _concat(outputs: list) -> Any:
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(outputs)
+        return _padded_cat(outputs)
     if isinstance(first, Mapping):
         return {key: _concat([output[key] for output in outputs]) for key in first}
     if isinstance(first, (tuple, list)):
@@ -191,10 +197,32 @@ def _concat(outputs: list) -> Any:
     return outputs
 
 
+def _padded_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The batches' outputs one after the other (along the first dim); a dim past the first whose size varies
+    between batches is padded at the end to the longest, with `PAD_VALUE`."""
+    if len({tensor.shape[1:] for tensor in tensors}) == 1:
+        return torch.cat(tensors)
+    first = tensors[0]
+    if first.dim() == 0 or any(tensor.dim() != first.dim() for tensor in tensors):
+        shapes = sorted({tuple(tensor.shape) for tensor in tensors})
+        raise BadInput(f"the model's outputs cannot be joined batch after batch: their shapes {shapes[:4]} "
+                       "differ in their number of dims. Predict batch by batch (a tensor or a dict of tensors) "
+                       "instead.")
+    sizes = [max(tensor.shape[dim] for tensor in tensors) for dim in range(1, first.dim())]
+    holds_pad = first.dtype.is_floating_point or first.dtype.is_complex or first.dtype.is_signed
+    joined = first.new_full((sum(len(tensor) for tensor in tensors), *sizes), PAD_VALUE if holds_pad else 0)
+    row = 0
+    for tensor in tensors:
+        joined[(slice(row, row + len(tensor)), *(slice(0, size) for size in tensor.shape[1:]))] = tensor
+        row += len(tensor)
+    return joined
+
+
 def predict(model: str, data: Any, *, batch_size: int = 256, device: Optional[str] = None,
             tracking_uri: Optional[str] = None) -> Any:
     """Run the logged model `model` (a run id or a model URI) over `data` (a batch or a dataset) in the precision
-    it was trained or exported in; returns its outputs on the CPU (a dataset's concatenated in order).
+    it was trained or exported in; returns its outputs on the CPU (a dataset's concatenated in order, padded with
+    `PAD_VALUE` to the longest batch where their length varies, as per-token outputs of padded text do).
 
     `device`: where a model run as trained runs (default: the GPU when there is one); an export runs on the CPU
     it was saved on. `tracking_uri`: the MLflow store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."""

@@ -5,6 +5,12 @@
 model's prediction as a numpy array: its output, or of several outputs (a dict) the one the job's `task.output`
 names, else `logits`. The model itself is loaded by `mlflow.pytorch.load_model`: a pt2 program, or a
 pickled module only where MLflow allows unpickling.
+
+`mlflow.pyfunc.load_model(uri).get_raw_model()` is that model, taking its inputs as its forward does:
+positionally or by the forward's parameter names (`net(input_ids=..., attention_mask=...)`). The program
+`mlflow.pytorch.load_model` gives takes them only as they were exported (positionally, in the signature's order):
+torch checks every call of an exported program against the one call shape it was exported with
+(`torch/export/_unlift.py`, `_check_inputs_match`), and nothing in the program's file can change that check.
 """
 
 import os
@@ -38,6 +44,10 @@ class _Model:
             return outputs.detach().float().cpu().numpy()
         return outputs
 
+    def get_raw_model(self) -> Any:
+        """The model: its inputs positionally or by the forward's names (`accept_keywords`)."""
+        return self.model
+
     def _prediction(self, outputs: Any) -> Any:
         if self.output is not None:
             return outputs[int(self.output)] if isinstance(outputs, (tuple, list)) else outputs[self.output]
@@ -46,8 +56,33 @@ class _Model:
         return outputs
 
 
+def accept_keywords(program: Any) -> Any:
+    """`program` (an exported program's module) called as its model's forward is: its inputs positionally or by
+    the forward's parameter names (`net(input_ids=..., attention_mask=...)`), by a forward pre-hook that binds
+    them to the order the program was exported with (positionally, as MLflow exports a pt2 program): torch's own
+    check, which runs after it, takes them only in that call shape. Any other module is returned as it is."""
+    info = getattr(getattr(getattr(program, "graph", None), "_codegen", None), "pytree_info", None)
+    names = list(getattr(info, "orig_args", None) or [])
+    if not names:
+        return program
+
+    def bind(module, args: tuple, kwargs: dict):
+        if not kwargs:
+            return None
+        unknown = [name for name in kwargs if name not in names[len(args):]]
+        missing = [name for name in names[len(args):] if name not in kwargs]
+        if unknown or missing:
+            raise TypeError(f"the model takes {', '.join(names)}"
+                            f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}"
+                            f"{'; missing: ' + ', '.join(missing) if missing else ''}")
+        return (*args, *(kwargs[name] for name in names[len(args):])), {}
+
+    program.register_forward_pre_hook(bind, with_kwargs=True, prepend=True)
+    return program
+
+
 def _load_pyfunc(path: str, model_config: Optional[dict] = None) -> _Model:
     config = model_config or {}
-    model = mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)), map_location="cpu")
+    model = accept_keywords(mlflow.pytorch.load_model(os.path.dirname(os.path.abspath(path)), map_location="cpu"))
     return _Model(model, config.get("names", []), config.get("positional", len(config.get("names", []))),
                   config.get("output"))

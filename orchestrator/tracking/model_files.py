@@ -36,36 +36,15 @@ def load_pt2_model(model_uri: str, what: str):
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=downloaded))
         _check_files(local, what)
         _drop_code(local)
+        # the pyfunc's own binding of the forward's names (imported here: it imports mlflow.pytorch, over a second)
+        from orchestrator.tracking.ampflow_pyfunc import accept_keywords
+
         try:
             with _pickle_refused():
                 return accept_keywords(mlflow.pytorch.load_model(str(local)))
         except MlflowException as exc:
             raise BadInput(f"{what} was refused: {exc.message} ampflow loads models only without unpickling "
                            "them.") from None
-
-
-def accept_keywords(program):
-    """`program` (an exported program's module) called as its model's forward is: its inputs positionally or by
-    the forward's parameter names (`net(input_ids=..., attention_mask=...)`). torch's own check takes them only
-    as they were exported (positionally)."""
-    info = getattr(getattr(getattr(program, "graph", None), "_codegen", None), "pytree_info", None)
-    names = list(getattr(info, "orig_args", None) or [])
-    if not names:
-        return program
-
-    def bind(module, args: tuple, kwargs: dict):
-        if not kwargs:
-            return None
-        unknown = [name for name in kwargs if name not in names[len(args):]]
-        missing = [name for name in names[len(args):] if name not in kwargs]
-        if unknown or missing:
-            raise TypeError(f"the model takes {', '.join(names)}"
-                            f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}"
-                            f"{'; missing: ' + ', '.join(missing) if missing else ''}")
-        return (*args, *(kwargs[name] for name in names[len(args):])), {}
-
-    program.register_forward_pre_hook(bind, with_kwargs=True, prepend=True)
-    return program
 
 
 def _check_files(local: Path, what: str) -> None:
