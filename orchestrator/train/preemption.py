@@ -47,8 +47,9 @@ def install_notice_handler(grace_s: float) -> bool:
         if Notice.received_at is not None:  # a second notice changes nothing: the grace period runs already
             return
         Notice.received_at = time.time()
-        print(f"ampflow: SIGTERM (preemption notice): checkpointing at the next step boundary; ending within "
-              f"{grace_s:g} s (failure.preemption_grace_s)", file=sys.stderr, flush=True)
+        print(f"ampflow: SIGTERM (a preemption notice, or Ray Train ending the worker group): checkpointing at the "
+              f"next step boundary; ending within {grace_s:g} s (failure.preemption_grace_s)", file=sys.stderr,
+              flush=True)
         timer = threading.Timer(grace_s, os._exit, args=(EXIT_ON_SIGTERM,))
         timer.daemon = True
         timer.start()
