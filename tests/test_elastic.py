@@ -131,7 +131,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 def elastic_job(write_job, tmp_path, workers: list[int], batch_size: int, **sections) -> dict:
     cfg = job(write_job, data={"name": "indexed_data:digits_with_ids", "kwargs": {"train_samples": 96}},
-              scaling={"num_workers": workers}, precision={"preset": "O0"},
+              scaling=sections.pop("scaling", {"num_workers": workers}), precision={"preset": "O0"},
               run={"epochs": 2, "batch_size": batch_size, "max_steps_per_epoch": None},
               tracking={"log_every_n_steps": 1}, checkpoint={"every_n_steps": 2},
               callbacks=[{"name": "indexed_data:RecordSamples", "kwargs": {"path": str(tmp_path / "samples")}},
@@ -140,13 +140,18 @@ def elastic_job(write_job, tmp_path, workers: list[int], batch_size: int, **sect
 
 
 @pytest.mark.slow  # trains in processes of its own
-def test_one_rank_or_two_train_the_same_steps_to_the_same_weights_with_uneven_micro_batches(write_job, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_rank_or_two_train_the_same_steps_to_the_same_weights_with_uneven_micro_batches(
+        write_job, tmp_path, strategy):
     """Range [1, 3], batches of 5: a step is 15 samples, three micro-batches of 5 on one rank, and on two ranks two
-    micro-batches each, of 4, 4 and 4, 3 samples: each loss weighted by its share of the global batch."""
+    micro-batches each, of 4, 4 and 4, 3 samples: each loss weighted by its share of the global batch. Under FSDP
+    the two ranks' per-unit collectives stay paired (as many forward and backward passes each)."""
     from orchestrator.train.local import spawn
 
     one = spawn(elastic_job(write_job, tmp_path / "one", [1, 3], 5), world_size=1, directory=tmp_path / "one")
-    two = spawn(elastic_job(write_job, tmp_path / "two", [1, 3], 5), world_size=2, directory=tmp_path / "two")
+    two = spawn(elastic_job(write_job, tmp_path / "two", [1, 3], 5, scaling={"num_workers": [1, 3],
+                                                                             "strategy": strategy}),
+                world_size=2, directory=tmp_path / "two")
     assert_same_weights(one, two)
     assert {r.metrics["system/world_size"] for r in two["reports"] if "system/world_size" in r.metrics} == {2.0}
     for name in ("one", "two"):
