@@ -202,3 +202,17 @@ def test_the_console_says_when_the_worker_group_changes_size(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "elastic: the run goes on with 2 worker(s) (was 1) from step 3, with the same global batch.",
         "elastic: the run goes on with 1 worker(s) (was 2) from step 5, with the same global batch."]
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_refused_before_ray_starts(write_job, tmp_path, monkeypatch):
+    from orchestrator.runner.preflight import preflight
+
+    monkeypatch.chdir(tmp_path)
+    path = write_job(small_job(data={"name": "indexed_data:digits_with_ids", "kwargs": {"train_samples": 40}},
+                               scaling={"num_workers": [1, 3]}, run={"batch_size": 16},
+                               checkpoint={"storage_path": str(tmp_path / "storage")}))
+    with pytest.raises(BadInput, match=r"run: the training set has 40 samples, too few for one optimizer step: a "
+                                       r"step's global batch of 48 \(run.batch_size x run.accumulate_steps x 3, the "
+                                       r"most workers of scaling.num_workers \[1, 3\]\)"):
+        preflight([load_job(path)], path, address=None)
+    preflight([load_job(path, ["scaling.num_workers=[1,2]"])], path, address=None)  # 32 samples a step: fits

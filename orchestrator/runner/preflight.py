@@ -102,9 +102,13 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
     if not to_job_server:  # a job server's storage is the cluster's
         for storage in dict.fromkeys(cfg.checkpoint.storage_path for cfg in configs):
             check_storage_writable(storage)
+    train_samples = {repr(cfg.data): next(d.num_samples for d in lineage[repr(cfg.data)] if d.context == "train")
+                     for cfg in configs} if not to_job_server else {}
+    for cfg in configs if not to_job_server else ():
+        check_whole_steps(cfg, train_samples[repr(cfg.data)])
     runs = [] if to_job_server else [
         choose_run(cfg, job_path, resume, model=built[repr((cfg.model, cfg.data, cfg.task))],
-                   train_samples=next(d.num_samples for d in lineage[repr(cfg.data)] if d.context == "train"))
+                   train_samples=train_samples[repr(cfg.data)])
         for cfg in configs]
     for cfg, run in zip(configs, runs):
         run.datasets = lineage[repr(cfg.data)]
@@ -282,6 +286,22 @@ def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_sample
     check_model(stored.facts, {name: list(t.shape) for name, t in model.state_dict().items()}, cfg, where)
     check_resume(stored.facts, Layout.of(cfg, train_samples, Workers.of(cfg.scaling).max), where)
     return stored.facts
+
+
+def check_whole_steps(cfg: DictConfig, train_samples: Optional[int]) -> None:
+    """An epoch must hold at least one optimizer step (on `max` workers for a fixed count: the most it asks)."""
+    if train_samples is None:
+        return
+    workers = Workers.of(cfg.scaling)
+    layout = Layout.of(cfg, train_samples, workers.max)
+    if layout.steps_per_epoch > 0:
+        return
+    step = (f"a step's global batch of {layout.global_batch} (run.batch_size x run.accumulate_steps x "
+            f"{workers.max}, the most workers of scaling.num_workers {workers})" if workers.elastic else
+            f"{workers.max} workers' batches of run.batch_size {cfg.run.batch_size} x run.accumulate_steps "
+            f"{cfg.run.accumulate_steps}")
+    raise BadInput(f"run: the training set has {train_samples} samples, too few for one optimizer step: {step}. "
+                   "Lower run.batch_size or run.accumulate_steps, or use fewer workers.")
 
 
 def check_storage_writable(storage_path: str) -> None:
