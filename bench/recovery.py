@@ -9,14 +9,21 @@ again (`steps_redone`).
   once the driver has logged the step before. `steps_redone` is the run's tag (`orchestrator.tracking.nodes`).
 - `preemption`: `submit` with a Ray of its own; rank 1's process gets SIGTERM in the middle of `--at-step`.
   `steps_redone` is the step struck minus the step the restart resumed from (`resumed_from_step`).
+- `elastic-shrink`: as `node-loss`, on two nodes with `scaling.num_workers: [1, 2]`: the run goes on with one
+  worker on the node left, no spare node needed.
+- `elastic-grow`: `[1, 2]` on one node; while rank 0 waits at `--at-step`, a second node joins, and the run goes
+  on with two workers from its newest checkpoint once Ray Train's next look for room finds it
+  (`scaling.resize_check_s`, `--resize-check-s`). `recovery_s` runs from the join to the first step trained by
+  two workers; `steps_redone`: the steps reported before the join that the grown group trained again.
 
-Both train digits on 2 workers, checkpoints every `--every` steps, a report every step, `failure.max_failures: 1`.
+All train digits on 2 workers (elastic: up to 2), checkpoints every `--every` steps, a report every step, `failure.max_failures: 1`.
 The first step past the strike is the first the struck attempt never reported (`--at-step` after a node loss, the
 next one after a notice, whose step was finished and checkpointed): its time is when the driver's MLflow writer
 took its report (the writer polls every second; Ray Train's controller takes reports every 2 s on
 a cluster that does not set RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 0.5 s in a Ray that submit starts).
 
-    python -m bench.recovery [--scenarios node-loss,preemption] [--repeats 1] [--json PATH]
+    python -m bench.recovery [--scenarios node-loss,preemption,elastic-shrink,elastic-grow] [--repeats 1]
+                             [--json PATH]
 """
 
 import argparse
@@ -41,17 +48,24 @@ FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms":
 keeps Ray's."""
 
 
+NODES = {"node-loss": 3, "elastic-shrink": 2, "elastic-grow": 1}
+"""The 1-CPU nodes each cluster scenario starts with (one worker fits on each); `preemption` needs no cluster."""
+
+
 def job(args, tmp: Path, experiment: str, marker: Path, address_storage: str) -> Path:
     path = tmp / f"{experiment}.yaml"
+    elastic = experiment.startswith("elastic")
+    scaling = {"num_workers": [1, 2], "resize_check_s": args.resize_check_s} if elastic else {"num_workers": 2}
     path.write_text(yaml.safe_dump({
-        "model": {"name": "simple_cnn"}, "data": {"name": "digits"}, "scaling": {"num_workers": 2},
+        "model": {"name": "simple_cnn"}, "data": {"name": "digits"}, "scaling": scaling,
         "run": {"epochs": 1, "batch_size": 32, "max_steps_per_epoch": args.steps, "seed": 0},
         "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": experiment, "log_every_n_steps": 1,
                      "log_model": False},
         "checkpoint": {"every_n_steps": args.every, "storage_path": address_storage},
         "failure": {"max_failures": 1},
         "callbacks": [{"name": "bench.recovery_hooks:PauseAt",
-                       "kwargs": {"rank": 1, "at_step": args.at_step, "marker": str(marker)}}],
+                       "kwargs": {"rank": 0 if experiment == "elastic-grow" else 1, "at_step": args.at_step,
+                                  "marker": str(marker)}}],
     }, sort_keys=False))
     return path
 
@@ -87,6 +101,11 @@ def loss_steps(client, run_id: str) -> dict[int, float]:
     return {m.step: m.timestamp / 1000 for m in client.get_metric_history(run_id, "train/loss")}
 
 
+def first_grown_step(client, run_id: str) -> int:
+    """The first step two workers trained (`system/world_size`)."""
+    return min(m.step for m in client.get_metric_history(run_id, "system/world_size") if m.value == 2)
+
+
 def one_run(args, scenario: str, tmp: Path) -> dict:
     from ray.cluster_utils import Cluster
 
@@ -100,12 +119,12 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
     previous = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
     try:
-        if scenario == "node-loss":
+        if scenario in NODES:
             head = {"num_cpus": 0, "temp_dir": str(ray_tmp / "ray"), "include_dashboard": False}  # no port 8265
             if not args.default_health_checks:
                 head["_system_config"] = FAST_NODE_DEATH
             cluster = Cluster(initialize_head=True, head_node_args=head)
-            for _ in range(3):
+            for _ in range(NODES[scenario]):
                 cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
             command += ["--address", cluster.address]
@@ -119,7 +138,9 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
 
             wait(step_before_logged, driver, 60, f"step {args.at_step - 1} logged")
             struck_at = time.time()
-            if scenario == "node-loss":
+            if scenario == "elastic-grow":
+                cluster.add_node(num_cpus=1)
+            elif scenario in NODES:
                 (node,) = [n for n in cluster.worker_nodes if n.node_id == where["node_id"]]
                 cluster.remove_node(node, allow_graceful=False)
             else:
@@ -142,8 +163,13 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
     tags = run.data.tags
     # The first step the struck attempt never reported: the struck step itself after a loss (its report never
     # came), the one after it after a notice (the struck step was finished and checkpointed).
-    first_new = loss_steps(client, run.info.run_id)[max(args.at_step, int(tags["resumed_from_step"]) + 1)]
-    redone = int(tags["steps_redone"]) if scenario == "node-loss" else args.at_step - int(tags["resumed_from_step"])
+    resumed = int(tags["resumed_from_step"])
+    if scenario == "elastic-grow":
+        first_new = loss_steps(client, run.info.run_id)[first_grown_step(client, run.info.run_id)]
+        redone = args.at_step - 1 - resumed
+    else:
+        first_new = loss_steps(client, run.info.run_id)[max(args.at_step, resumed + 1)]
+        redone = int(tags["steps_redone"]) if scenario in NODES else args.at_step - resumed
     return {"recovery_s": first_new - struck_at, "steps_redone": redone,
             "resumed_from_step": int(tags["resumed_from_step"]), "told": "node_lost" in tags}
 
@@ -155,6 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4, help="checkpoint.every_n_steps")
     parser.add_argument("--at-step", type=int, default=7, help="the step struck")
+    parser.add_argument("--resize-check-s", type=float, default=5.0,
+                        help="scaling.resize_check_s of the elastic scenarios (how often a run looks for room)")
     parser.add_argument("--default-health-checks", action="store_true",
                         help="Ray's own node health checks (declares a lost node dead after ~15 s or more)")
     parser.add_argument("--json", type=Path)
