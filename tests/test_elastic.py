@@ -164,23 +164,33 @@ def test_one_rank_or_two_train_the_same_steps_to_the_same_weights_with_uneven_mi
 @pytest.mark.slow  # trains in processes of its own
 def test_a_run_that_loses_a_rank_mid_epoch_goes_on_from_its_checkpoint_each_sample_once_same_weights(
         write_job, tmp_path):
-    """Two ranks fail at step 7 (the checkpoint of step 6 is the newest, mid-epoch), the run goes on from it on one
-    rank: every step after 6 is the samples it would have been, each epoch trains each sample once, and the
+    """Two ranks fail at step 5 (the checkpoint of step 4 is the newest, mid-epoch: 6 steps an epoch), the run goes
+    on from it on one rank: every step after 4 is the samples it would have been, each epoch trains each sample once, and the
     weights are those of the run that kept two ranks."""
     from orchestrator.train.local import spawn
 
     straight = spawn(elastic_job(write_job, tmp_path / "straight", [1, 2], 8), world_size=2,
                      directory=tmp_path / "straight")
     resized = tmp_path / "resized"
-    with pytest.raises(Exception, match="drill: interrupted at step 7"):
-        spawn(elastic_job(write_job, resized, [1, 2], 8, callbacks=[drill("Interrupt", at_step=7)]), world_size=2,
+    with pytest.raises(Exception, match="drill: interrupted at step 5"):
+        spawn(elastic_job(write_job, resized, [1, 2], 8, callbacks=[drill("Interrupt", at_step=5)]), world_size=2,
               directory=resized)
+    # What submit --resume checks before Ray starts: the range goes on mid-epoch, a fixed count does not.
+    from orchestrator.runner.preflight import check_resume_against_run
+    from orchestrator.train.models import build_model
+
+    elastic_cfg = OmegaConf.merge(elastic_job(write_job, resized, [1, 2], 8),
+                                  {"checkpoint": {"storage_path": str(resized)}})  # spawn's: <it>/checkpoints
+    assert check_resume_against_run(elastic_cfg, "checkpoints", build_model(elastic_cfg.model), 96).global_step == 4
+    fixed = OmegaConf.merge(elastic_cfg, {"scaling": {"num_workers": 1}})
+    with pytest.raises(IncompatibleResume, match=r"--resume: scaling.num_workers: 2 in the run, 1 in this job"):
+        check_resume_against_run(fixed, "checkpoints", build_model(fixed.model), 96)
     result = spawn(elastic_job(write_job, resized, [1, 2], 8), world_size=1, directory=resized)
     assert_same_weights(straight, result)
 
     steps = trained_steps(resized / "samples")
     assert list(steps) == list(range(1, 13))  # 96 // 16 = 6 steps an epoch, 2 epochs
-    assert {r["world_size"] for r in steps[6]} == {2} and {r["world_size"] for r in steps[7]} == {1}
+    assert {r["world_size"] for r in steps[4]} == {2} and {r["world_size"] for r in steps[5]} == {1}
     for epoch in (0, 1):
         ids = [i for records in steps.values() for r in records if r["epoch"] == epoch for mb in r["ids"] for i in mb]
         assert sorted(ids) == list(range(96)), epoch

@@ -26,9 +26,9 @@ TRAIN_SAMPLES = 96  # batches of 8 on [1, 2] workers: a step is 16 samples, 6 st
 def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_trains_each_sample_once_an_epoch(
         tmp_path, monkeypatch, ray_tmpdir, write_job, new_store):
     """One node at first: the run starts on one worker. At step 3 (checkpoint of step 2) a node joins, and the run
-    goes on from step 2 on two workers. At step 7 (checkpoint of step 6) rank 1's node is removed, and the run goes on
-    from step 6 on one worker. Every step is logged once, `system/world_size` goes 1, 2, 1, each epoch's samples are
-    each trained once by the attempts that kept them, and the run is FINISHED.
+    goes on from step 2 on two workers. At step 5 (checkpoint of step 4, mid-epoch: 6 steps an epoch) rank 1's node
+    is removed, and the run goes on from step 4 on one worker. Every step is logged once, `system/world_size` goes
+    1, 2, 1, each epoch's samples are each trained once by the attempts that kept them, and the run is FINISHED.
 
     Long: a Ray cluster starts on this machine, nodes join and leave, and the worker group starts three times."""
     from mlflow import MlflowClient
@@ -45,7 +45,7 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
         checkpoint={"every_n_steps": 2, "storage_path": str(tmp_path / "storage")},
         failure={"max_failures": 1},
         callbacks=[drill("AwaitResize", world_size=1, at_step=3, marker=str(grown)),
-                   drill("AwaitNodeLoss", rank=1, at_step=7, marker=str(lost)),
+                   drill("AwaitNodeLoss", rank=1, at_step=5, marker=str(lost)),
                    {"name": "indexed_data:RecordSamples", "kwargs": {"path": str(tmp_path / "samples")}}]))
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "temp_dir": str(ray_tmpdir / "ray"), "include_dashboard": False,
@@ -75,16 +75,16 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
     client, run = only_run(uri, "elastic")
     assert run.info.status == "FINISHED", output[-4000:]
     assert "elastic: the run goes on with 2 worker(s) (was 1) from step 3, with the same global batch." in output
-    assert "elastic: the run goes on with 1 worker(s) (was 2) from step 7, with the same global batch." in output
-    assert (f"with rank(s) 1, after step 6; training resumed from the checkpoint of step 6: 0 step(s) redone."
+    assert "elastic: the run goes on with 1 worker(s) (was 2) from step 5, with the same global batch." in output
+    assert ("with rank(s) 1, after step 4; training resumed from the checkpoint of step 4: 0 step(s) redone."
             in output), output[-4000:]
     assert each_step_once(client, run.info.run_id, "train/loss") == list(range(1, 13))
     world = {m.step: m.value for m in MlflowClient(uri).get_metric_history(run.info.run_id, "system/world_size")}
-    assert [world[step] for step in range(1, 13)] == [1, 1] + [2] * 4 + [1] * 6, world
+    assert [world[step] for step in range(1, 13)] == [1, 1, 2, 2] + [1] * 8, world
 
     steps = trained_steps(tmp_path / "samples")
     assert list(steps) == list(range(1, 13))
-    assert [len(steps[step]) for step in steps] == [1, 1] + [2] * 4 + [1] * 6  # ranks that trained each step
+    assert [len(steps[step]) for step in steps] == [1, 1, 2, 2] + [1] * 8  # ranks that trained each step
     for epoch in (0, 1):
         ids = sorted(i for records in steps.values() for r in records if r["epoch"] == epoch
                      for micro_batch in r["ids"] for i in micro_batch)
