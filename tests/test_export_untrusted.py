@@ -75,7 +75,10 @@ def test_a_pickled_model_planted_beside_the_pt2_program_is_refused_never_unpickl
 
 def test_a_planted_code_directory_and_pickle_module_are_never_imported(logged_run, tmp_path, mlflow_uri):
     """MLflow's loader puts a model's code directory on sys.path and imports the pickle module it names before
-    anything else: a module planted there would run."""
+    anything else: a module planted there would run.
+
+    Long: `orchestrator.export` runs twice as a command of its own (the planted directory, then the program without
+    it), each importing torch and MLflow and exporting in bfloat16."""
     run_id, model_dir = logged_run
     (model_dir / "code").mkdir(exist_ok=True)  # ampflow logs its pyfunc loader there
     (model_dir / "code" / "planted_module.py").write_text(f"open({MARKER!r}, 'w')\n")
