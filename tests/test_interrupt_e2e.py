@@ -259,7 +259,9 @@ def signal_when(driver: subprocess.Popen, ready, signum: int, stderr: Path) -> t
 def test_a_signal_during_the_final_logging_ends_the_driver_with_the_run_killed(new_store, signum, exit_code, ray_tmpdir,
                                                                               tmp_path):
     """After fit() returned, while the driver logs the model: the signal still ends it (Ray Train's own SIGINT
-    handler, left installed after fit(), used to swallow Ctrl-C here)."""
+    handler, left installed after fit(), used to swallow Ctrl-C here).
+
+    Long: a whole submit (its own Ray, a worker group, two steps) runs up to its final logging before the signal."""
     (tmp_path / "slow_to_log.py").write_text(SLOW_TO_LOG_NETS)
     uri = new_store(tmp_path)
     driver = start_driver(tmp_path, ray_tmpdir, small_job(
