@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import pytest
 
@@ -24,6 +26,34 @@ pytestmark = pytest.mark.slow
 # by default), so that the loss is known before the restarted worker group starts.
 FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
                    "health_check_timeout_ms": 1000, "health_check_failure_threshold": 2}
+
+
+@contextmanager
+def submitted_to_cluster(tmp_path, ray_tmpdir, job, nodes: int) -> Iterator[tuple[Any, subprocess.Popen]]:
+    """A `ray.cluster_utils.Cluster` (a head without CPUs, `nodes` nodes of one CPU, fast node-death checks) in the
+    test's Ray temp dir, and `submit JOB --address` to it writing to `tmp_path/console.txt`; (cluster, driver).
+    Afterwards the driver is killed if it still runs, and exactly the cluster's nodes are stopped."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "temp_dir": str(ray_tmpdir / "ray"), "include_dashboard": False,  # no port 8265 to share
+        "_system_config": FAST_NODE_DEATH})
+    driver = None
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        with open(tmp_path / "console.txt", "w") as console:
+            driver = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.submit", str(job), "--address", cluster.address],
+                cwd=tmp_path, env=own_ray_env(ray_tmpdir, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"),
+                stdout=console, stderr=subprocess.STDOUT)
+        yield cluster, driver
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=30)
+        cluster.shutdown()
 
 
 def wait_for(path, process, timeout_s: float) -> str:
@@ -56,8 +86,6 @@ def test_a_node_lost_mid_epoch_resumes_in_the_same_run_and_says_which_node_and_w
     its rank and the 2 steps redone, the console says the same, and Ray's raylet state dumps stay off it.
 
     Long: a four-node Ray cluster starts on this machine, and the run trains twice from step 4."""
-    from ray.cluster_utils import Cluster
-
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmpdir))
     uri = new_store(tmp_path)
     marker = tmp_path / "node_of_rank_1"
@@ -67,19 +95,7 @@ def test_a_node_lost_mid_epoch_resumes_in_the_same_run_and_says_which_node_and_w
         checkpoint={"every_n_steps": 4, "storage_path": str(tmp_path / "storage")},
         failure={"max_failures": 1},
         callbacks=[drill("AwaitNodeLoss", rank=1, at_step=7, marker=str(marker))]))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "temp_dir": str(ray_tmpdir / "ray"), "include_dashboard": False,  # no port 8265 to share
-        "_system_config": FAST_NODE_DEATH})
-    driver = None
-    try:
-        for _ in range(3):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        console = open(tmp_path / "console.txt", "w+")
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.submit", str(job), "--address", cluster.address],
-            cwd=tmp_path, env=own_ray_env(ray_tmpdir, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"),
-            stdout=console, stderr=subprocess.STDOUT)
+    with submitted_to_cluster(tmp_path, ray_tmpdir, job, nodes=3) as (cluster, driver):
         node_id = wait_for(marker, driver, timeout_s=240)
         # The driver has step 6's report before the node goes (else it knows of 5 steps trained, and counts 1 redone)
         wait_for_step(uri, "node-loss", 6, driver, timeout_s=60)
@@ -87,11 +103,6 @@ def test_a_node_lost_mid_epoch_resumes_in_the_same_run_and_says_which_node_and_w
         lost_at = time.time()
         cluster.remove_node(node, allow_graceful=False)
         assert driver.wait(timeout=300) == 0, (tmp_path / "console.txt").read_text()[-4000:]
-    finally:
-        if driver is not None and driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=30)
-        cluster.shutdown()
 
     output = (tmp_path / "console.txt").read_text()
     assert "[state-dump]" not in output, output[-4000:]

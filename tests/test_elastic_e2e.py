@@ -6,15 +6,11 @@ The cluster is `ray.cluster_utils.Cluster` on this machine, as in tests/test_clu
 (the driver's relay and Ray Train's controller) and nodes of one CPU each, one worker fitting on each.
 """
 
-import subprocess
-import sys
-import time
-
 import pytest
 
-from conftest import REPO, drill, own_ray_env, small_job
+from conftest import drill, small_job
 from indexed_data import trained_steps
-from test_cluster_e2e import FAST_NODE_DEATH, wait_for
+from test_cluster_e2e import submitted_to_cluster, wait_for
 from test_resume_e2e import each_step_once
 from test_submit_e2e import only_run
 
@@ -32,7 +28,6 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
 
     Long: a Ray cluster starts on this machine, nodes join and leave, and the worker group starts three times."""
     from mlflow import MlflowClient
-    from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmpdir))
     uri = new_store(tmp_path)
@@ -47,29 +42,13 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
         callbacks=[drill("AwaitResize", world_size=1, at_step=3, marker=str(grown)),
                    drill("AwaitNodeLoss", rank=1, at_step=5, marker=str(lost)),
                    {"name": "indexed_data:RecordSamples", "kwargs": {"path": str(tmp_path / "samples")}}]))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "temp_dir": str(ray_tmpdir / "ray"), "include_dashboard": False,
-        "_system_config": FAST_NODE_DEATH})
-    driver = None
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        console = open(tmp_path / "console.txt", "w+")
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.submit", str(job), "--address", cluster.address],
-            cwd=tmp_path, env=own_ray_env(ray_tmpdir, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"),
-            stdout=console, stderr=subprocess.STDOUT)
+    with submitted_to_cluster(tmp_path, ray_tmpdir, job, nodes=1) as (cluster, driver):
         wait_for(grown, driver, timeout_s=240)
         cluster.add_node(num_cpus=1)
         node_id = wait_for(lost, driver, timeout_s=240)
         (node,) = [node for node in cluster.worker_nodes if node.node_id == node_id]
         cluster.remove_node(node, allow_graceful=False)
         assert driver.wait(timeout=300) == 0, (tmp_path / "console.txt").read_text()[-4000:]
-    finally:
-        if driver is not None and driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=30)
-        cluster.shutdown()
 
     output = (tmp_path / "console.txt").read_text()
     client, run = only_run(uri, "elastic")
