@@ -10,8 +10,8 @@ import torch
 
 from orchestrator.config.schema import DataSection, ModelSection
 from orchestrator.train import data
-from orchestrator.train.data import (ShardSampler, build_datasets, build_loaders, digits_arrays, ensure_available,
-                                     stratified_split)
+from orchestrator.train.data import build_datasets, build_loaders, digits_arrays, ensure_available, stratified_split
+from orchestrator.train.samplers import ShardSampler
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train.models import build_model
 

@@ -14,7 +14,7 @@ from indexed_data import trained_steps
 from orchestrator.config import load_job
 from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput
-from orchestrator.train.elastic import ElasticSampler
+from orchestrator.train.samplers import ElasticSampler
 from orchestrator.train.resume import CheckpointFacts, IncompatibleResume, Layout, check_resume
 
 

@@ -46,7 +46,7 @@ def interrupt(cfg, job_path: Path, run_id=None) -> None:
 def test_the_steps_per_epoch_the_driver_computes_are_the_ones_the_loop_trains():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from orchestrator.train.data import train_shard
+    from orchestrator.train.samplers import train_shard
 
     for samples, world, batch, accumulate in [(256, 1, 32, 1), (1437, 2, 32, 1), (1437, 3, 50, 2), (10, 4, 3, 1)]:
         data = TensorDataset(torch.zeros(samples, 1))

@@ -2,7 +2,7 @@
 
 An elastic run keeps its global batch whatever the number of workers W: a step is `run.batch_size x
 run.accumulate_steps x max` samples, split over the W ranks in `micro_batches(W)` micro-batches each
-(`orchestrator.train.data.ElasticSampler`); see docs/deploy.md, "Elastic runs", for why.
+(`orchestrator.train.samplers.ElasticSampler`); see docs/deploy.md, "Elastic runs", for why.
 """
 
 import math
@@ -35,12 +35,16 @@ class Workers:
         return f"[{self.min}, {self.max}]" if self.elastic else str(self.max)
 
     def micro_batches(self, accumulate_steps: int, world_size: int) -> int:
-        """Micro-batches each of `world_size` ranks trains per optimizer step: `accumulate_steps` for a fixed count;
-        elastic, the `accumulate_steps x max` micro-batches of the global batch shared out, rounded up (the
-        samples are then spread evenly over them: every rank runs as many forward and backward passes)."""
-        if not self.elastic:
-            return accumulate_steps
-        return math.ceil(accumulate_steps * self.max / world_size)
+        """Micro-batches each of `world_size` ranks trains per optimizer step: `accumulate_steps` for a fixed count,
+        else `micro_batches(accumulate_steps, max, world_size)`."""
+        return micro_batches(accumulate_steps, self.max, world_size) if self.elastic else accumulate_steps
+
+
+def micro_batches(accumulate_steps: int, max_world_size: int, world_size: int) -> int:
+    """An elastic run's micro-batches per rank and step on `world_size` ranks: the `accumulate_steps x max` of the
+    global batch shared out, rounded up (the samples are then spread evenly over them: every rank runs as many
+    forward and backward passes)."""
+    return math.ceil(accumulate_steps * max_world_size / world_size)
 
 
 def problem(value: Any, batch_size: int, accumulate_steps: int) -> Optional[str]:
@@ -53,13 +57,12 @@ def problem(value: Any, batch_size: int, accumulate_steps: int) -> Optional[str]
             return f"an elastic range [min, max] needs 1 <= min <= max, got [{low}, {high}]."
         if batch_size < 1 or accumulate_steps < 1:
             return None  # their own checks say so
-        workers = Workers(low, high, True)
         global_batch = batch_size * accumulate_steps * high
         for world_size in range(low, high + 1):
-            if world_size * workers.micro_batches(accumulate_steps, world_size) > global_batch:
+            each = micro_batches(accumulate_steps, high, world_size)
+            if world_size * each > global_batch:
                 return (f"with {world_size} workers the global batch of {global_batch} samples (run.batch_size x "
-                        f"run.accumulate_steps x {high}) cannot give each rank "
-                        f"{workers.micro_batches(accumulate_steps, world_size)} non-empty micro-batches. Raise "
+                        f"run.accumulate_steps x {high}) cannot give each rank {each} non-empty micro-batches. Raise "
                         "run.batch_size to 2 or more, or use a range whose every count divides "
                         f"run.accumulate_steps x {high}.")
         return None

@@ -11,7 +11,6 @@ so they give every rank the same samples in the same order.
 """
 
 import importlib.util
-import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.config.names import TORCHVISION_DATASETS, check_dataset_name
@@ -28,7 +27,7 @@ from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.train import vision
 from orchestrator.train.batch import Batches, BatchLayout
-from orchestrator.train.elastic import ElasticSampler
+from orchestrator.train.samplers import Elastic, ElasticSampler, ResumableSampler, ShardSampler, train_shard
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 DIGITS_SPLIT_SEED = 0  # the digits split is fixed, whatever the job's seed
@@ -185,44 +184,6 @@ def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
     return _synthetic(data_cfg, num_classes)
 
 
-class ShardSampler(Sampler[int]):
-    """Rank r of w gets indices r, r+w, r+2w, ...: every sample exactly once over all ranks.
-
-    Used for evaluation, where DistributedSampler's padding would count some samples twice.
-    """
-
-    def __init__(self, length: int, rank: int, world_size: int):
-        self.indices = range(rank, length, world_size)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way, after the batches a checkpoint already saw.
-
-    The order of an epoch depends only on (seed, epoch), so skipping the first `start` indices
-    of it gives exactly the batches the interrupted run would have trained on next.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.start = 0
-
-    def set_position(self, epoch: int, batches_done: int, batch_size: int) -> None:
-        self.set_epoch(epoch)
-        self.start = min(batches_done * batch_size, self.num_samples)
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.start, None)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
-
-
 def collate_fn(data_cfg, dataset: Dataset) -> Optional[Callable[[list], Any]]:
     """How a list of samples becomes a batch: `data.collate`, else the dataset's own `collate_fn` attribute, else
     None (torch's default_collate)."""
@@ -239,14 +200,6 @@ def collate_source(data_cfg, dataset: Dataset) -> str:
     if collate_fn(data_cfg, dataset) is not None:
         return f"the collate_fn of data.name {data_cfg.name}'s {type(dataset).__name__}"
     return f"torch's default_collate (data.collate is null and {type(dataset).__name__} has no collate_fn)"
-
-
-@dataclass(frozen=True)
-class Elastic:
-    """An elastic run's global batch: `batch_size x accumulate_steps x max_world_size` samples a step."""
-
-    accumulate_steps: int
-    max_world_size: int
 
 
 def build_loaders(
@@ -269,17 +222,6 @@ def build_loaders(
     test_loader = DataLoader(test, sampler=ShardSampler(len(test), rank, world_size), batch_size=batch_size,
                              collate_fn=collate[1], **common)
     return train_loader, test_loader, train_sampler
-
-
-def train_shard(train: Dataset, rank: int, world_size: int, seed: int, batch_size: int = 1,
-                elastic: Optional[Elastic] = None) -> Union[ResumableSampler, ElasticSampler]:
-    """Rank `rank`'s share of each epoch's shuffled order. The tail that does not divide by the world size
-    is dropped (a different few samples each epoch), so no sample is trained on twice in an epoch. `elastic`:
-    the same steps on any world size (`orchestrator.train.elastic`), as micro-batches of indices."""
-    if elastic is not None:
-        return ElasticSampler(train, rank=rank, world_size=world_size, seed=seed, batch_size=batch_size,
-                              accumulate_steps=elastic.accumulate_steps, max_world_size=elastic.max_world_size)
-    return ResumableSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
 # -- the device-resident path (`data.loader: device`) ---------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
-from orchestrator.config.workers import Workers
+from orchestrator.config.workers import Workers, micro_batches
 from orchestrator.errors import BadInput
 
 FACTS_FORMAT = 1
@@ -96,7 +96,7 @@ class Layout:
         """Micro-batches each rank trains per optimizer step."""
         if self.max_world_size is None:
             return self.accumulate_steps
-        return Workers(1, self.max_world_size, True).micro_batches(self.accumulate_steps, self.world_size)
+        return micro_batches(self.accumulate_steps, self.max_world_size, self.world_size)
 
     @property
     def global_batch(self) -> Optional[int]:
