@@ -3,7 +3,7 @@
 import math
 import re
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from orchestrator.config import names, optim, workers
 from orchestrator.config.imports import is_import_path
@@ -36,9 +36,7 @@ def _require(ok: bool, source: str, key: str, message: str) -> None:
 def validate(cfg: DictConfig, source: str) -> None:
     r = lambda ok, key, msg: _require(ok, source, key, msg)  # noqa: E731
 
-    num_workers = cfg.scaling.num_workers
-    num_workers = list(num_workers) if OmegaConf.is_list(num_workers) else num_workers
-    wrong = workers.problem(num_workers, cfg.run.batch_size, cfg.run.accumulate_steps)
+    wrong = workers.problem(cfg.scaling.num_workers, cfg.run.batch_size, cfg.run.accumulate_steps)
     r(wrong is None, "scaling.num_workers", str(wrong))
     r(cfg.scaling.resize_check_s > 0, "scaling.resize_check_s", f"must be > 0, got {cfg.scaling.resize_check_s}.")
     for name, amount in cfg.scaling.resources_per_worker.items():

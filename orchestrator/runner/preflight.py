@@ -340,13 +340,13 @@ def check_local_capacity(cfg: DictConfig) -> None:
     here, before Ray starts, instead of waiting forever for resources."""
     have = {"CPU": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
             "GPU": float(torch.cuda.device_count())}
-    workers = Workers.of(cfg.scaling).min  # an elastic run starts with what fits, at least its min
+    workers = Workers.of(cfg.scaling)  # an elastic run starts with what fits, at least its min
     for resource, per_worker in sorted(worker_resources(cfg).items(), key=lambda item: item[0] != "GPU"):
-        need = per_worker * workers
+        need = per_worker * workers.min
         if need > have.get(resource, 0.0):
             raise BadInput(
-                f"scaling: the job asks for {need:g} {resource} ({workers} workers x {per_worker:g}"
-                f"{', the least its elastic range takes' if Workers.of(cfg.scaling).elastic else ''}), but this machine "
+                f"scaling: the job asks for {need:g} {resource} ({workers.min} workers x {per_worker:g}"
+                f"{', the least its elastic range takes' if workers.elastic else ''}), but this machine "
                 f"has {have.get(resource, 0.0):g} and no cluster was given (--address / RAY_ADDRESS). Lower "
                 "scaling.num_workers or scaling.resources_per_worker"
                 + (", set scaling.use_gpu: false" if resource == "GPU" else "") + ", or submit to a cluster.")

@@ -72,9 +72,8 @@ def accumulated_step(training: Training, step: Step, device: torch.device,
             else:
                 precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
         losses.append(loss.detach())
-    if step.weights is not None:  # the mean over this rank's samples
-        weights = torch.tensor(step.weights, device=losses[0].device)
-        step.loss = (torch.stack(losses) * weights).sum() / sum(step.weights)
+    if step.weights is not None:  # the mean over this rank's samples (the weights are host floats: no copy)
+        step.loss = sum(loss * weight for loss, weight in zip(losses, step.weights)) / sum(step.weights)
     else:
         step.loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     if after_backward is not None:
