@@ -10,7 +10,7 @@ import pytest
 
 from conftest import drill, small_job
 from indexed_data import trained_steps
-from test_cluster_e2e import submitted_to_cluster, wait_for
+from test_cluster_e2e import submitted_to_cluster, wait_for, wait_for_step
 from test_resume_e2e import each_step_once
 from test_submit_e2e import only_run
 
@@ -46,6 +46,8 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
         wait_for(grown, driver, timeout_s=240)
         cluster.add_node(num_cpus=1)
         node_id = wait_for(lost, driver, timeout_s=240)
+        # Ray Train has step 4's report before the node goes (else it knows of 3 steps trained when it tells the loss)
+        wait_for_step(uri, "elastic", 4, driver, timeout_s=60)
         (node,) = [node for node in cluster.worker_nodes if node.node_id == node_id]
         cluster.remove_node(node, allow_graceful=False)
         assert driver.wait(timeout=300) == 0, (tmp_path / "console.txt").read_text()[-4000:]

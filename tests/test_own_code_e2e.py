@@ -21,7 +21,9 @@ def test_the_regression_example_trains_from_python_with_a_dict_job_and_its_own_l
     """`from orchestrator import run` with the example's job as a dict: a RunResult naming the MLflow run, its
     final metrics, its checkpoints and a model that loads; Ray (initialised by the caller) is left running. The
     example's own loss and metrics reach MLflow, nothing assumes classification, and the logged model's signature
-    has the data's shape. (The text example below trains from its directory through submit.)"""
+    has the data's shape. (The text example below trains from its directory through submit.)
+
+    Long: a whole run through Ray Train (a worker group, training, evaluation, the logged model) and a load of it."""
     import mlflow
     import torch
     import yaml
