@@ -14,7 +14,7 @@
 #   quickstart          jobs/quickstart.yaml through the Ray-free loop under O1, O2, bf16-mixed, and under FSDP2
 #                       with O2 and a float32 rule (quickstart-O1, quickstart-O2, quickstart-bf16-mixed,
 #                       quickstart-fsdp; `quickstart` names all four)
-#   gpu_amp policy telemetry fast_paths airbench   python -m bench.NAME on CUDA  -> NAME.json
+#   gpu_amp policy telemetry fast_paths epoch airbench startup   python -m bench.NAME on CUDA  -> NAME.json
 #   submit              the quickstart through `python -m orchestrator.submit`, when Ray and MLflow import
 #                       (carried as a pack; skipped otherwise)  -> submit.json
 #
@@ -26,7 +26,8 @@
 # in seconds. --quick: fewer timed rounds and a shorter airbench, for a visit of two 10-minute commands.
 # --dry-run runs the same steps on the CPU with tiny sizes, with Ray and MLflow made unimportable as on the
 # visit machine: the test suite runs it to prove the plumbing. Of the three quickstart presets it runs O1 alone
-# (quickstart-O2 and quickstart-bf16-mixed are the same command with another preset, recorded skipped).
+# (quickstart-O2 and quickstart-bf16-mixed are the same command with another preset, recorded skipped), and it
+# records `epoch` and `startup` as skipped: fresh processes per run, whose smoke runs tests/test_bench.py makes.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,7 +58,7 @@ case "$DEADLINE" in
   ""|*[!0-9]*) [ -n "$DEADLINE" ] && { echo "error: --deadline takes whole seconds, e.g. 570" >&2; exit 2; } ;;
 esac
 STEPS="cuda_tests quickstart-O1 quickstart-O2 quickstart-bf16-mixed quickstart-fsdp gpu_amp policy telemetry fast_paths"
-STEPS="$STEPS airbench submit"
+STEPS="$STEPS epoch airbench startup submit"
 if [ -n "$ONLY" ]; then
   for name in ${ONLY//,/ }; do
     case " $STEPS quickstart install versions " in
@@ -191,17 +192,17 @@ selected quickstart-fsdp && run_step quickstart-fsdp "$(bound 240)" "$OUT_DIR/qu
 
 # -- the harnesses ----------------------------------------------------------------------------------------------
 # The dry run's sizes: --smoke and one round of one step, which is all the plumbing needs.
-GPU_AMP=() POLICY=() TELEMETRY=() FAST_PATHS=() AIRBENCH=()
+GPU_AMP=() POLICY=() TELEMETRY=() FAST_PATHS=() AIRBENCH=() EPOCH=()
 if [ "$DRY_RUN" = 1 ]; then
   POLICY=(--smoke --repeats 1 --steps 1 --warmup 1)
   TELEMETRY=(--smoke --log-every 1 --steps 1 --repeats 1 --warmup 1)
   FAST_PATHS=(--smoke --steps 1 --warmup 1)
 elif [ "$QUICK" = 1 ]; then
   GPU_AMP=(--repeats 5 --warmup 10)
-  POLICY=(--repeats 5)
-  TELEMETRY=(--repeats 5 --warmup 20)
+  TELEMETRY=(--warmup 20)  # policy and telemetry keep their 21 rounds: the targets are read from 20 or more
   FAST_PATHS=(--steps 30 --warmup 10)
   AIRBENCH=(--epochs 3 --repeats 1)
+  EPOCH=(--long 4)
 fi
 selected gpu_amp && run_step gpu_amp "$(bound 480)" "$OUT_DIR/gpu_amp.json" \
   "$PY" -m bench.gpu_amp ${SMOKE[@]+"${SMOKE[@]}"} ${GPU_AMP[@]+"${GPU_AMP[@]}"} --json "$OUT_DIR/gpu_amp.json"
@@ -213,9 +214,25 @@ selected telemetry && run_step telemetry "$(bound 300)" "$OUT_DIR/telemetry.json
 selected fast_paths && run_step fast_paths "$(bound 540)" "$OUT_DIR/fast_paths.json" \
   "$PY" -m bench.fast_paths --device "$DEVICE" ${FAST_PATHS[@]+"${FAST_PATHS[@]}"} \
   --json "$OUT_DIR/fast_paths.json"
+if selected epoch; then
+  if [ "$DRY_RUN" = 1 ]; then
+    skip_step epoch "dry run: fresh processes per run; tests/test_bench.py runs its smoke"
+  else
+    run_step epoch "$(bound 540)" "$OUT_DIR/epoch.json" \
+      "$PY" -m bench.epoch --device "$DEVICE" ${EPOCH[@]+"${EPOCH[@]}"} --json "$OUT_DIR/epoch.json"
+  fi
+fi
 selected airbench && run_step airbench "$(bound 540)" "$OUT_DIR/airbench.json" \
   "$PY" -m bench.airbench --device "$DEVICE" ${SMOKE[@]+"${SMOKE[@]}"} ${AIRBENCH[@]+"${AIRBENCH[@]}"} \
   --json "$OUT_DIR/airbench.json"
+
+if selected startup; then
+  if [ "$DRY_RUN" = 1 ]; then
+    skip_step startup "dry run: fresh processes per round; tests/test_bench.py runs its smoke"
+  else
+    run_step startup "$(bound 300)" "$OUT_DIR/startup.json" "$PY" -m bench.startup --json "$OUT_DIR/startup.json"
+  fi
+fi
 
 # -- the quickstart through submit (Ray Train + MLflow), when they were carried -----------------------------------
 if selected submit; then

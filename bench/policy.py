@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     cli.add_argument("--model", help="registry name (default: resnet18; simple_cnn with --smoke)")
     cli.add_argument("--batch-size", type=int, help="default 16 on cpu, 256 on cuda, 8 with --smoke")
     cli.add_argument("--rules", nargs="*", help="globs pinned to float32 (default per model)")
-    cli.add_argument("--repeats", type=int, help="timed rounds per candidate (default 7; 2 with --smoke)")
+    cli.add_argument("--repeats", type=int,
+                     help="timed rounds per candidate (default 21 on cuda, 7 on cpu; 2 with --smoke)")
     cli.add_argument("--steps", type=int, help="steps per round (default 3 on cpu, 20 on cuda; 2 with --smoke)")
     cli.add_argument("--warmup", type=int, help="untimed steps per candidate (default 3; 2 with --smoke)")
     args = cli.parse_args(argv)
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     gpu = device.type == "cuda"
     model_name = args.model or ("simple_cnn" if args.smoke else "resnet18")
     batch = args.batch_size or (8 if args.smoke else 256 if gpu else 16)
-    repeats = args.repeats or (2 if args.smoke else 7)
+    repeats = args.repeats or (2 if args.smoke else 21 if gpu else 7)  # a GPU figure: 20 rounds or more
     steps = args.steps or (2 if args.smoke else 20 if gpu else 3)
     warmup = args.warmup or (2 if args.smoke else 3)
     globs = args.rules if args.rules is not None else DEFAULT_RULES.get(model_name, [])

@@ -174,9 +174,10 @@ def main(argv=None) -> int:
     cli.add_argument("--model", help="registry name (default: simple_cnn on cpu, resnet18 on cuda)")
     cli.add_argument("--batch-size", type=int, help="default 64 on cpu, 256 on cuda, 8 with --smoke")
     cli.add_argument("--log-every", type=int, default=10, help="steps between reports (tracking.log_every_n_steps)")
-    cli.add_argument("--repeats", type=int, help="timed rounds per candidate (default 9; 2 with --smoke)")
+    cli.add_argument("--repeats", type=int,
+                     help="timed rounds per candidate (default 21 on cuda, 9 on cpu; 2 with --smoke)")
     cli.add_argument("--steps", type=int, help="steps per round, a multiple of --log-every (default 20 on cpu, "
-                                              "100 on cuda; 10 with --smoke)")
+                                              "50 on cuda; 10 with --smoke)")
     cli.add_argument("--warmup", type=int, help="untimed steps per candidate (default 40; 10 with --smoke)")
     cli.add_argument("--no-mlflow", action="store_true", help="skip the MLflow writer measurement")
     cli.add_argument("--system-metrics-interval", type=float, default=1.0,
@@ -189,8 +190,8 @@ def main(argv=None) -> int:
     gpu = device.type == "cuda"
     model_name = args.model or ("resnet18" if gpu and not args.smoke else "simple_cnn")
     batch = args.batch_size or (8 if args.smoke else 256 if gpu else 64)
-    repeats = args.repeats or (2 if args.smoke else 9)
-    steps = args.steps or (args.log_every if args.smoke else 100 if gpu else 20)
+    repeats = args.repeats or (2 if args.smoke else 21 if gpu else 9)  # a GPU figure: 20 rounds or more
+    steps = args.steps or (args.log_every if args.smoke else 50 if gpu else 20)
     warmup = args.warmup or (10 if args.smoke else 40)
 
     from orchestrator.train.models import build_model

@@ -60,6 +60,17 @@ def test_fast_paths_harness(tmp_path):
                  | {"baseline_time_vs_hand_written", "defaults_speedup_vs_hand_written"})
 
 
+@pytest.mark.slow  # trains in processes of its own (the harness)
+def test_epoch_harness(tmp_path):
+    """Each run is a fresh process: the hand-written script and the Ray-free loop (fast paths off) both train a
+    short and a long run, and the per-epoch figures and their ratio come out of the process walls."""
+    done, record = run_harness("epoch", tmp_path, "--candidates", "hand_written,baseline")
+    check_record(done, record, "epoch", {"baseline_epoch_vs_hand_written", "baseline_fixed_extra_s"})
+    walls = record["figures"]["process_wall_s"]
+    assert set(walls) == {"hand_written", "baseline"}
+    assert all(len(runs["1"]) == len(runs["2"]) == 1 and min(runs["1"] + runs["2"]) > 0 for runs in walls.values())
+
+
 @pytest.mark.slow  # starts processes of its own (the harness)
 def test_startup_harness(tmp_path):
     done, record = run_harness("startup", tmp_path)

@@ -91,6 +91,7 @@ def test_dry_run_writes_every_record_of_the_visit(tmp_path):
     assert {name: status[name] for name in expected} == {name: "ok" for name in expected}
     assert {status[f"quickstart-{p}"] for p in PRESETS if p not in DRY_RUN_PRESETS} == {"skipped"}
     assert status["submit"] == "skipped"  # Ray and MLflow are not importable: said, not crashed
+    assert status["epoch"] == status["startup"] == "skipped"  # fresh processes per run: test_bench runs them
     assert summary["ok"] is True and summary["failed"] == []
     assert all((out / "logs" / f"{name}.log").is_file() for name in expected)
 
