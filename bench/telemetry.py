@@ -169,6 +169,12 @@ def time_watchdog(device, model_name: str, batch: int, batches: list, *, warmup:
     return times
 
 
+def poison(grad: torch.Tensor) -> None:
+    """Make `grad`'s first element inf in place, whatever its memory format (a channels_last gradient is no view of
+    a flat tensor)."""
+    grad[(0,) * grad.dim()] = float("inf")
+
+
 def main(argv=None) -> int:
     cli = common.with_device(common.parser(HARNESS, "full training telemetry vs a bare autocast+GradScaler step; MLflow cost apart"))
     cli.add_argument("--model", help="registry name (default: simple_cnn on cpu, resnet18 on cuda)")
@@ -257,7 +263,7 @@ def main(argv=None) -> int:
     grads = [t.grad for _, t in training.precision.named_tensors if t.grad is not None]
     attribution_ms = float("nan")
     if grads:
-        grads[0].view(-1)[0] = float("inf")
+        poison(grads[0])
         sync = common.synchronize(device)
         sync()
         started = time.perf_counter()

@@ -126,3 +126,14 @@ def test_orchestration_harness(tmp_path):
     # The plain Ray Train script ran once, as a user's script: its own windows, its own start-up.
     assert len(record["figures"]["raytrain_windows"]) == 1
     assert math.isfinite(record["figures"]["process_start_to_first_step_s"]["raytrain"])
+
+
+def test_telemetry_poisons_a_channels_last_gradient_in_place():
+    """The overflow attribution's timing plants an inf in a real gradient: on CUDA the defaults make conv
+    gradients channels_last, which no flat view can reach."""
+    from bench.telemetry import poison
+
+    grad = torch.ones(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    poison(grad)
+    assert torch.isinf(grad[0, 0, 0, 0]) and int(torch.isinf(grad).sum()) == 1
+    assert grad.is_contiguous(memory_format=torch.channels_last)
