@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from orchestrator.train.checkpoint import Candidate, local_candidates
+from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s
 from orchestrator.train.memory import allocator_env
@@ -35,7 +36,7 @@ class LocalSession:
                checkpoint_name: Optional[str] = None) -> None:
         if checkpoint is not None:
             shutil.copytree(checkpoint, self.directory / checkpoint_name, dirs_exist_ok=True)
-        if dist.is_available() and dist.is_initialized():
+        if spans_ranks():
             dist.barrier()  # as ray.train.report: a checkpoint is complete on every rank before anyone goes on
         self.reports.append(Report.from_wire(metrics))
 

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from orchestrator.train.collectives import spans_ranks
+
 EXIT_ON_SIGTERM = 128 + signal.SIGTERM
 """What a process still running when the grace period is over exits with."""
 
@@ -63,14 +65,20 @@ class PreemptionCheck:
 
     def __init__(self):
         self.group = None
+        self.shared = False
+        """Whether other ranks are asked (a process group of more than one rank); one rank reads its own notice."""
 
     def setup(self, loop) -> None:
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+        self.shared = spans_ranks()
+        if self.shared and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")  # the notice never waits for the GPU
 
     def after_step(self, loop, step) -> None:
+        if not self.shared:
+            if Notice.received_at is not None:
+                loop.preempted = True
+            return
         flag = torch.tensor([0.0 if Notice.received_at is None else 1.0])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item() > 0:
             loop.preempted = True

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
                                            manifest_file, rank_file, write_failure)
+from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
@@ -324,6 +325,6 @@ def newest_valid_sharded(candidates: Sequence[Candidate], rank: int, world_size:
 def all_ranks_agree(ok: bool, device: torch.device) -> bool:
     """True when `ok` on every rank (one all-reduce)."""
     flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    if dist.is_initialized():
+    if spans_ranks():
         dist.all_reduce(flag)
     return float(flag) == 0.0
