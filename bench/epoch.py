@@ -2,9 +2,14 @@
 
 Each run is a fresh Python process, started here and timed here from its start to its exit, so every candidate pays
 its own imports, CUDA start-up, data building, evaluation and final checkpoint. Every candidate runs `--short` and
-`--long` epochs; its time per epoch is (wall of the long run - wall of the short run) / (long - short), medians of
-the `--repeats`: start-up and the end of a run are the same in both runs and cancel, and what an epoch costs stays
-(its steps, the data loading, the evaluation, the loss logging). The candidates alternate, each repeat rotated.
+`--long` epochs. Its time per epoch, two ways:
+- in the runs: each run stamps the end of every epoch, its evaluation done and the device synchronised (the
+  hand-written script in its loop, ampflow's through a job callback, `EpochClock`); the figure is the median of the
+  long runs' epochs after their first (the time from one epoch's end to the next's: its steps, data loading,
+  evaluation, loss logging and report). Start-up's noise stays out of it. The ratios are read from it.
+- by difference (`*_by_difference`): (wall of the long run - wall of the short run) / (long - short), medians of the
+  `--repeats`: start-up and the end of a run cancel, but their noise does not.
+The candidates alternate, each repeat rotated.
 
 The job, the same for all: a registry model (ResNet-18 of CIFAR's shape by default), `synthetic` CIFAR-shaped data
 (`--steps-per-epoch` batches of `--batch-size` per epoch, an eighth of that for evaluation), SGD with momentum,
@@ -25,11 +30,13 @@ every epoch, the loss read on the host every `tracking.log_every_n_steps` steps,
 Ratios: `baseline_epoch_vs_hand_written` (time per epoch; target at most 1.02: with its fast paths off ampflow costs
 what the hand-written script costs) and `defaults_speedup_vs_hand_written` (hand-written time per epoch / the
 defaults': target at least 1.3 on a GPU). `baseline_fixed_extra_s`, `defaults_fixed_extra_s`: seconds a run costs
-besides its epochs (the line's intercept: start-up, data building, the end of the run), over the hand-written
-script's. `spawn` starts its rank in a second Python process, which imports torch again: a Ray Train worker is that
-process, and `python -m orchestrator.submit` pays Ray's start instead (`bench.orchestration`).
+besides its epochs (the short run's wall less its epochs timed in the runs: start-up, data building, the first
+epoch's warm-up, the end of the run), over the hand-written script's. `spawn` starts its rank in a second Python
+process, which imports torch again: a Ray Train worker is that process, and `python -m orchestrator.submit` pays
+Ray's start instead (`bench.orchestration`).
 """
 
+import json
 import math
 import subprocess
 import sys
@@ -61,7 +68,25 @@ def job(args, epochs: int, overrides: list[str]):
     }, overrides)
 
 
-def hand_written(cfg, device: torch.device, directory: Path) -> None:
+class EpochClock:
+    """A callback (the job's `callbacks`) that stamps the end of each epoch, its evaluation done, into a JSON file:
+    the times between stamps are epochs timed inside the run, free of start-up's noise."""
+
+    def __init__(self, path: str):
+        self.path, self.stamps = Path(path), []
+
+    def end_epoch(self, loop, report) -> None:
+        stamp(self.stamps, self.path, loop.device)
+
+
+def stamp(stamps: list[float], path: Path, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stamps.append(time.perf_counter())
+    path.write_text(json.dumps(stamps))
+
+
+def hand_written(cfg, device: torch.device, directory: Path, stamps_path: Path) -> None:
     """The torch.amp training script a user writes by hand (see the module's docstring)."""
     import contextlib
 
@@ -91,6 +116,7 @@ def hand_written(cfg, device: torch.device, directory: Path) -> None:
     autocast = (lambda: torch.autocast(device.type, dtype=amp.compute_dtype)) if amp.autocast_enabled \
         else contextlib.nullcontext
     log_every = cfg.tracking.log_every_n_steps
+    stamps: list[float] = []  # the harness's clock, not the script's
     for epoch in range(cfg.run.epochs):
         net.train()
         for index, (inputs, targets) in enumerate(loader):
@@ -111,6 +137,7 @@ def hand_written(cfg, device: torch.device, directory: Path) -> None:
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
                 correct += (net(inputs).argmax(1) == targets).sum()
         print(f"epoch {epoch + 1} eval accuracy {correct.item() / len(val):.4f}", flush=True)
+        stamp(stamps, stamps_path, device)
     torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, directory / "final.pt")
 
 
@@ -122,10 +149,11 @@ def overrides_of(candidate: str) -> list[str]:
 
 def child(args) -> int:
     """One run of one candidate, in this process (the parent times the process)."""
-    cfg = job(args, args.epochs, overrides_of(args.child))
+    clock = [f"callbacks=[{{name: 'bench.epoch:EpochClock', kwargs: {{path: '{args.stamps}'}}}}]"]
+    cfg = job(args, args.epochs, overrides_of(args.child) + ([] if args.child == "hand_written" else clock))
     with tempfile.TemporaryDirectory(prefix="bench-epoch-") as tmp:
         if args.child == "hand_written":
-            hand_written(cfg, torch.device(args.device), Path(tmp))
+            hand_written(cfg, torch.device(args.device), Path(tmp), Path(args.stamps))
             return 0
         from omegaconf import OmegaConf
 
@@ -137,17 +165,24 @@ def child(args) -> int:
     return 0
 
 
-def run_once(args, candidate: str, epochs: int) -> float:
-    """Seconds from starting a fresh process running `candidate` for `epochs` epochs to its exit."""
-    command = [sys.executable, "-m", "bench.epoch", "--child", candidate, "--epochs", str(epochs),
-               "--device", args.device, "--model", args.model, "--preset", args.preset,
-               "--batch-size", str(args.batch_size), "--steps-per-epoch", str(args.steps_per_epoch)]
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"{candidate} ({epochs} epochs) exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return seconds
+def run_once(args, candidate: str, epochs: int) -> tuple[float, list[float]]:
+    """Seconds from starting a fresh process running `candidate` for `epochs` epochs to its exit, and the seconds
+    each epoch after the first took inside the run (from one epoch's end to the next's)."""
+    with tempfile.TemporaryDirectory(prefix="bench-epoch-clock-") as tmp:
+        stamps_path = Path(tmp) / "stamps.json"
+        command = [sys.executable, "-m", "bench.epoch", "--child", candidate, "--epochs", str(epochs),
+                   "--device", args.device, "--model", args.model, "--preset", args.preset,
+                   "--batch-size", str(args.batch_size), "--steps-per-epoch", str(args.steps_per_epoch),
+                   "--stamps", str(stamps_path)]
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"{candidate} ({epochs} epochs) exited {done.returncode}:\n{done.stderr[-3000:]}")
+        stamps = json.loads(stamps_path.read_text())
+    if len(stamps) != epochs:
+        raise RuntimeError(f"{candidate} ({epochs} epochs) stamped {len(stamps)} epoch end(s)")
+    return seconds, [later - earlier for earlier, later in zip(stamps, stamps[1:])]
 
 
 def main(argv=None) -> int:
@@ -164,6 +199,7 @@ def main(argv=None) -> int:
     cli.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     cli.add_argument("--child", choices=CANDIDATES, help=None)  # internal: one run of one candidate
     cli.add_argument("--epochs", type=int, help=None)  # internal: the child's epochs
+    cli.add_argument("--stamps", help=None)  # internal: where the child stamps its epochs' ends
     args = cli.parse_args(argv)
     args.model = args.model or ("simple_cnn" if args.smoke else "resnet18")
     args.preset = args.preset or ("O0" if args.smoke else "O1")
@@ -183,28 +219,33 @@ def main(argv=None) -> int:
               "--short" if unknown else "error: --long must exceed --short", file=sys.stderr)
         return 2
     walls: dict[str, dict[int, list[float]]] = {name: {args.short: [], long: []} for name in candidates}
+    epochs_in_run: dict[str, list[float]] = {name: [] for name in candidates}  # the long runs' epochs after the first
     for repeat in range(repeats):
         order = candidates[repeat % len(candidates):] + candidates[:repeat % len(candidates)]
         for epochs in (args.short, long):
             for name in order:
-                seconds = run_once(args, name, epochs)
+                seconds, epoch_seconds = run_once(args, name, epochs)
                 walls[name][epochs].append(seconds)
-                print(f"repeat {repeat + 1}: {name:<13} {epochs} epoch(s) {seconds:8.2f} s", flush=True)
-    per_epoch = {name: (common.median(w[long]) - common.median(w[args.short])) / (long - args.short)
-                 for name, w in walls.items()}
-    # What a run costs besides its epochs (start-up, data building, the end of the run): the line's intercept.
+                if epochs == long:
+                    epochs_in_run[name].extend(epoch_seconds)
+                print(f"repeat {repeat + 1}: {name:<13} {epochs} epoch(s) {seconds:8.2f} s; epochs after the first "
+                      f"{', '.join(f'{x:.3f}' for x in epoch_seconds) or '-'} s", flush=True)
+    per_epoch = {name: common.median(values) for name, values in epochs_in_run.items()}
+    by_difference = {name: (common.median(w[long]) - common.median(w[args.short])) / (long - args.short)
+                     for name, w in walls.items()}
+    # What a run costs besides its epochs (start-up, data building, the first epoch's warm-up, the end of the run).
     fixed = {name: common.median(w[args.short]) - args.short * per_epoch[name] for name, w in walls.items()}
-    paired = {name: [(l - s) / (long - args.short) for s, l in zip(w[args.short], w[long])]
-              for name, w in walls.items()}
     for name in candidates:
-        print(f"{name:<13} {per_epoch[name]:8.3f} s per epoch (repeats: "
-              f"{', '.join(f'{x:.3f}' for x in paired[name])}), {fixed[name]:6.2f} s besides the epochs")
+        print(f"{name:<13} {per_epoch[name]:8.3f} s per epoch in the runs (spread "
+              f"{common.spread(epochs_in_run[name]) * 100:.1f}%), {by_difference[name]:8.3f} by difference of the "
+              f"process walls, {fixed[name]:6.2f} s besides the epochs")
     ratios = {}
-    hand = per_epoch.get("hand_written", math.nan)
-    if "baseline" in per_epoch:
-        ratios["baseline_epoch_vs_hand_written"] = per_epoch["baseline"] / hand
-    if "defaults" in per_epoch:
-        ratios["defaults_speedup_vs_hand_written"] = hand / per_epoch["defaults"]
+    for label, figures in (("", per_epoch), ("_by_difference", by_difference)):
+        hand = figures.get("hand_written", math.nan)
+        if "baseline" in figures:
+            ratios[f"baseline_epoch_vs_hand_written{label}"] = figures["baseline"] / hand
+        if "defaults" in figures:
+            ratios[f"defaults_speedup_vs_hand_written{label}"] = hand / figures["defaults"]
     for name in ("baseline", "defaults"):
         if name in fixed and "hand_written" in fixed:
             ratios[f"{name}_fixed_extra_s"] = fixed[name] - fixed["hand_written"]
@@ -212,8 +253,8 @@ def main(argv=None) -> int:
                   config={"model": args.model, "preset": args.preset, "batch_size": args.batch_size,
                           "steps_per_epoch": args.steps_per_epoch, "short": args.short, "long": long,
                           "repeats": repeats},
-                  figures={"seconds_per_epoch": per_epoch, "seconds_per_epoch_by_repeat": paired,
-                           "seconds_besides_epochs": fixed,
+                  figures={"seconds_per_epoch": per_epoch, "seconds_per_epoch_in_runs": epochs_in_run,
+                           "seconds_per_epoch_by_difference": by_difference, "seconds_besides_epochs": fixed,
                            "process_wall_s": {name: {str(e): v for e, v in w.items()} for name, w in walls.items()}},
                   ratios=ratios, targets=TARGETS if device.type == "cuda" else {}, json_path=args.json)
     return 0

@@ -63,12 +63,16 @@ def test_fast_paths_harness(tmp_path):
 @pytest.mark.slow  # trains in processes of its own (the harness)
 def test_epoch_harness(tmp_path):
     """Each run is a fresh process: the hand-written script and the Ray-free loop (fast paths off) both train a
-    short and a long run, and the per-epoch figures and their ratio come out of the process walls."""
+    short and a long run; each stamps its epochs' ends (the loop through a job callback), and the per-epoch
+    figures come from those stamps and from the process walls."""
     done, record = run_harness("epoch", tmp_path, "--candidates", "hand_written,baseline")
-    check_record(done, record, "epoch", {"baseline_epoch_vs_hand_written", "baseline_fixed_extra_s"})
-    walls = record["figures"]["process_wall_s"]
-    assert set(walls) == {"hand_written", "baseline"}
+    check_record(done, record, "epoch", {"baseline_epoch_vs_hand_written", "baseline_epoch_vs_hand_written_by_difference",
+                                         "baseline_fixed_extra_s"})
+    walls, in_runs = record["figures"]["process_wall_s"], record["figures"]["seconds_per_epoch_in_runs"]
+    assert set(walls) == set(in_runs) == {"hand_written", "baseline"}
     assert all(len(runs["1"]) == len(runs["2"]) == 1 and min(runs["1"] + runs["2"]) > 0 for runs in walls.values())
+    # The long run (2 epochs) has one epoch after its first, timed inside it, shorter than the whole process.
+    assert all(len(epochs) == 1 and 0 < epochs[0] < walls[name]["2"][0] for name, epochs in in_runs.items())
 
 
 @pytest.mark.slow  # starts processes of its own (the harness)
