@@ -165,14 +165,22 @@ def _fast_tests_start_no_ray_and_no_training_processes(request, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """This test process connected, as a driver, to the session's shared Ray head (`ray_head.shared_head`: one
-    for every test process); disconnected at the end."""
-    import ray
+def shared_ray_address() -> str:
+    """The GCS address of the session's shared Ray head (`ray_head.shared_head`: one for every test process), for
+    driver processes a test starts; this process does not connect."""
     from ray_head import shared_head
 
+    return shared_head(shared_dir())["gcs_address"]
+
+
+@pytest.fixture(scope="session")
+def ray_session(shared_ray_address):
+    """This test process connected, as a driver, to the session's shared Ray head (`shared_ray_address`);
+    disconnected at the end."""
+    import ray
+
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    ray.init(address=shared_head(shared_dir())["gcs_address"], log_to_driver=False, logging_level="WARNING")
+    ray.init(address=shared_ray_address, log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
