@@ -70,6 +70,7 @@ def shared_dir() -> Path:
     return Path(os.environ[SHARED_ENV])
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
     """The longest files first (`suite_order.file_order`): side by side, the long files start at once and the short
     ones fill in at the end (`--dist loadscope --no-loadscope-reorder` hands out whole files in this order)."""

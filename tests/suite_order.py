@@ -55,7 +55,8 @@ SHOWN_FILES = 15
 def file_order(files: Iterable[tuple[str, bool]]) -> list[str]:
     """The test files (their paths) in the order to run them, from one `(path, is slow)` pair per collected test:
     the listed files by their seconds, longest first, then the unlisted ones with slow tests, then the rest, each
-    of these two by number of tests, most first. Ties keep the order of collection."""
+    of these two by number of tests, most first. Ties keep the order of collection. A listed file none of whose
+    slow tests were collected (`make test-fast`) counts as unlisted."""
     tests, slow, first_seen = Counter(), set(), {}
     for path, is_slow in files:
         first_seen.setdefault(path, len(first_seen))
@@ -65,7 +66,7 @@ def file_order(files: Iterable[tuple[str, bool]]) -> list[str]:
 
     def key(path: str):
         seconds = FILE_SECONDS.get(Path(path).name)
-        if seconds is not None:
+        if seconds is not None and path in slow:  # its figure is for its slow tests; `-m "not slow"` leaves them out
             return 0, -seconds, first_seen[path]
         return 1 if path in slow else 2, -tests[path], first_seen[path]
 

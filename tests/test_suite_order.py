@@ -16,6 +16,14 @@ def test_listed_files_go_longest_first_then_unlisted_slow_ones_then_the_rest_by_
                                      "tests/test_tied.py"]
 
 
+def test_a_listed_file_without_its_slow_tests_is_ordered_as_an_unlisted_one():
+    """`make test-fast` leaves the slow tests out: a long file's figure then says nothing of what is left of it."""
+    listed = next(iter(FILE_SECONDS))
+    collected = [("tests/test_quick.py", False)] * 3 + [(f"tests/{listed}", False)] * 2 \
+        + [("tests/test_many.py", False)] * 4
+    assert file_order(collected) == ["tests/test_many.py", "tests/test_quick.py", f"tests/{listed}"]
+
+
 def test_every_listed_file_is_a_test_file_of_the_suite():
     """A file renamed or removed leaves a stale entry: its figure then orders nothing."""
     missing = [name for name in FILE_SECONDS if not (REPO / "tests" / name).is_file()]
