@@ -112,9 +112,9 @@ def test_orchestration_harness(tmp_path, shared_ray_address):
     done, record = run_harness("orchestration", tmp_path, "--address", shared_ray_address, timeout=600)
     check_record(done, record, "orchestration", {"orchestration_throughput", "loop_throughput", "runtime_throughput",
                                                  "raytrain_throughput", "raytrain_startup"})
+    assert record["config"]["ray"] == f"joined at {shared_ray_address}"
     launch = record["figures"]["launch_to_first_step_s"]
     assert all(math.isfinite(launch[name]) for name in ("plain", "loop", "raytrain", "ours"))
     # The plain Ray Train script ran once, as a user's script: its own windows, its own start-up.
     assert len(record["figures"]["raytrain_windows"]) == 1
     assert math.isfinite(record["figures"]["process_start_to_first_step_s"]["raytrain"])
-    assert record["config"]["ray"] == f"joined at {shared_ray_address}"
