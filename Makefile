@@ -11,9 +11,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 JOB    ?= jobs/quickstart.yaml
 # Test files run side by side, each whole in one test process (its module fixtures built once); how many
-# processes: AMPFLOW_TEST_WORKERS, else one more than the cores, as memory allows (tests/conftest.py).
-# The slowest tests are listed after every run: the suite has a time budget (README, "Tests and their budget").
-PYTEST_ARGS ?= -n auto --dist loadscope --durations=40
+# processes: AMPFLOW_TEST_WORKERS, else one more than the cores, as memory allows (tests/conftest.py). The files
+# are handed out longest first, in the order tests/suite_order.py collects them (--no-loadscope-reorder).
+# The slowest tests and files are listed after every run: the suite has a time budget (README, "Tests and their
+# budget").
+PYTEST_ARGS ?= -n auto --dist loadscope --no-loadscope-reorder --durations=40
 # Re-install only when the project's metadata changed.
 STAMP  := $(VENV)/.installed
 

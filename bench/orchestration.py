@@ -144,6 +144,10 @@ def main(argv=None) -> int:
     cli.add_argument("--profile", metavar="DIR", help="cProfile rank 0's steps of plain, loop and raytrain into "
                                                       "DIR/CANDIDATE.pstats (the last run of each)")
     cli.add_argument("--timeout", type=float, default=900, help="seconds one submit or Ray Train run may take")
+    cli.add_argument("--address", help="ours and raytrain join the Ray at this address (host:port of its GCS) "
+                                       "instead of each starting a local Ray of its own: their start-up figures "
+                                       "then leave out Ray's own start. For the harness's test, which runs on the "
+                                       "test suite's shared Ray; measure without it")
     cli.add_argument("--candidates", default=",".join(CANDIDATES),
                      help="which candidates run, comma-separated (default all; e.g. raytrain,ours for more repeats of "
                           "the two the raytrain ratios compare in the same time)")
@@ -258,6 +262,7 @@ def main(argv=None) -> int:
                 "dtype": "float32 (O0)",
                 "ray_train_health_check_interval_s": args.health_check_interval_s or "submit's default (orchestrator.runner.ray_start.HEALTH_CHECK_INTERVAL_S)",
                 "startup_from": "process start" if startup is from_start else "just before Ray starts",
+                "ray": f"joined at {args.address}" if args.address else "a local Ray of each run's own",
                 "smoke": args.smoke},
         figures=figures,
         ratios=found,

@@ -33,11 +33,14 @@ def job_dict(args, tmp: Path, steps: int | None = None) -> dict:
 
 
 def ray_env(args) -> dict:
-    """The environment of a subprocess that starts its own local Ray the way submit does: no RAY_ADDRESS, torch
-    threads per worker = --threads, and submit's report poll (or --health-check-interval-s)."""
+    """The environment of a subprocess that starts its own local Ray the way submit does: no RAY_ADDRESS (with
+    --address, that one: both candidates then join the Ray there), torch threads per worker = --threads, and
+    submit's report poll (or --health-check-interval-s)."""
     from orchestrator.runner.ray_start import HEALTH_CHECK_INTERVAL_S
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    if getattr(args, "address", None):
+        env["RAY_ADDRESS"] = args.address
     env["OMP_NUM_THREADS"] = str(args.threads)
     # How often Ray Train's controller drains each worker's reports. submit sets HEALTH_CHECK_INTERVAL_S for a
     # local Ray unless the variable is set; the raytrain candidate gets the same value explicitly.
@@ -163,7 +166,8 @@ def raytrain_train_func(config: dict) -> None:
 
 
 def raytrain_process(spec_path: str) -> int:
-    """The `raytrain` subprocess: a local Ray started as submit starts it, a TorchTrainer, fit, shut down."""
+    """The `raytrain` subprocess: a local Ray started as submit starts it (or the one at $RAY_ADDRESS, joined), a
+    TorchTrainer, fit, shut down."""
     import json
 
     import ray

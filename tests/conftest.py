@@ -70,11 +70,15 @@ def shared_dir() -> Path:
     return Path(os.environ[SHARED_ENV])
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
-    """The files with end-to-end tests first: side by side, the long files start at once and the short ones fill
-    in at the end (`--dist loadscope` hands out whole files in this order)."""
-    first = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in first)  # stable: each file's own order kept
+    """The longest files first (`suite_order.file_order`): side by side, the long files start at once and the short
+    ones fill in at the end (`--dist loadscope --no-loadscope-reorder` hands out whole files in this order)."""
+    from suite_order import file_order
+
+    rank = {path: index for index, path in enumerate(
+        file_order((item.nodeid.split("::", 1)[0], item.get_closest_marker("slow") is not None) for item in items))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])  # stable: each file's own order kept
 
 
 LONG_TEST_S = 60.0
@@ -91,16 +95,26 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
+    _durations.append((report.nodeid, report.duration))
     if report.when == "call" and report.duration > LONG_TEST_S and not dict(report.user_properties).get(
             "says_why_long", True):
         _unexplained.append((report.duration, report.nodeid))
 
 
 _unexplained: list = []
+_durations: list = []
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Under the slowest tests (`--durations`), the tests over `LONG_TEST_S` whose docstring does not say why."""
+@pytest.hookimpl(trylast=True)  # after the slowest tests
+def pytest_terminal_summary(terminalreporter, config):
+    """Under the slowest tests (`--durations`), the slowest files (to keep `suite_order.FILE_SECONDS` up to date),
+    then the tests over `LONG_TEST_S` whose docstring does not say why."""
+    if config.getoption("durations", None) is not None and _durations:
+        from suite_order import slowest_files
+
+        terminalreporter.section("slowest files (tests/suite_order.py orders the suite by them)")
+        for line in slowest_files(_durations):
+            terminalreporter.write_line(line)
     if _unexplained:
         terminalreporter.section(f"tests over {LONG_TEST_S:.0f} s that do not say why (a `Long:` paragraph in "
                                  "the docstring)")
@@ -152,14 +166,22 @@ def _fast_tests_start_no_ray_and_no_training_processes(request, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """This test process connected, as a driver, to the session's shared Ray head (`ray_head.shared_head`: one
-    for every test process); disconnected at the end."""
-    import ray
+def shared_ray_address() -> str:
+    """The GCS address of the session's shared Ray head (`ray_head.shared_head`: one for every test process), for
+    driver processes a test starts; this process does not connect."""
     from ray_head import shared_head
 
+    return shared_head(shared_dir())["gcs_address"]
+
+
+@pytest.fixture(scope="session")
+def ray_session(shared_ray_address):
+    """This test process connected, as a driver, to the session's shared Ray head (`shared_ray_address`);
+    disconnected at the end."""
+    import ray
+
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    ray.init(address=shared_head(shared_dir())["gcs_address"], log_to_driver=False, logging_level="WARNING")
+    ray.init(address=shared_ray_address, log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 

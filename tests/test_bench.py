@@ -117,14 +117,17 @@ def test_gpu_amp_harness(tmp_path):
 
 
 @pytest.mark.slow
-def test_orchestration_harness(tmp_path):
-    """The orchestration harness end to end on the CPU: every figure it reports is there and finite.
+def test_orchestration_harness(tmp_path, shared_ray_address):
+    """The orchestration harness end to end on the CPU: every figure it reports is there and finite. Its two Ray
+    candidates join the suite's shared Ray (`--address`) rather than each starting one: a Ray of submit's own is
+    started by the end-to-end tests (tests/test_local_ray.py), and here it would only add two starts of Ray.
 
     Long: it times the same training four ways in processes of their own (a plain loop, ampflow's loop, a plain Ray
-    Train script, ampflow through Ray Train), start-ups included, which are what it measures."""
-    done, record = run_harness("orchestration", tmp_path, timeout=600)
+    Train script, ampflow through Ray Train), the worker groups' start-ups included, which are what it measures."""
+    done, record = run_harness("orchestration", tmp_path, "--address", shared_ray_address, timeout=600)
     check_record(done, record, "orchestration", {"orchestration_throughput", "loop_throughput", "runtime_throughput",
                                                  "raytrain_throughput", "raytrain_startup"})
+    assert record["config"]["ray"] == f"joined at {shared_ray_address}"
     launch = record["figures"]["launch_to_first_step_s"]
     assert all(math.isfinite(launch[name]) for name in ("plain", "loop", "raytrain", "ours"))
     # The plain Ray Train script ran once, as a user's script: its own windows, its own start-up.
