@@ -17,7 +17,7 @@ from pathlib import Path
 
 FILE_SECONDS = {
     "test_interrupt_e2e.py": 405,
-    "test_bench.py": 370,
+    "test_bench.py": 410,
     "test_resume_e2e.py": 275,
     "test_sweep.py": 270,
     "test_remote_submit.py": 230,
