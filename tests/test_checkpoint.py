@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.runner.worker import ray_candidates
+from orchestrator.runner.worker import ray_candidates, remove_own_part
 from orchestrator.train import rng
 from orchestrator.train.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
                                            local_candidates, manifest_file, rank_file, read_checkpoint,
@@ -122,6 +122,25 @@ def test_a_full_disk_leaves_nothing_behind_and_the_previous_checkpoint_loads(tmp
     assert read_checkpoint(previous, rank=0).global_step == 4
     state, warnings = load_newest_valid(newest(tmp_path), rank=0)
     assert state.global_step == 4 and warnings == []
+
+
+def test_a_rank_whose_copy_failed_removes_its_own_part_and_leaves_its_peers_copy_going(tmp_path):
+    """Two ranks copy into one checkpoint directory: the one whose copy failed takes back only its own files. Removing
+    the directory made the peer, still copying, fail on a directory gone, and the run told that collateral error
+    instead of the full disk."""
+    from pyarrow import fs
+
+    target = tmp_path / "storage" / "checkpoint_000000004_1"
+    (target / "nested").mkdir(parents=True)
+    for name in ("rank0.pt", "manifest_rank0.json", "rank1.pt", "nested/rank1.bin"):
+        (target / name).write_text("part")
+    staged = tmp_path / "staged-rank1"
+    (staged / "nested").mkdir(parents=True)
+    for name in ("rank1.pt", "manifest_rank1.json", "nested/rank1.bin"):  # its manifest was never copied
+        (staged / name).write_text("part")
+    remove_own_part(fs.LocalFileSystem(), str(target), staged)
+    left = sorted(path.relative_to(target).as_posix() for path in target.rglob("*") if path.is_file())
+    assert left == ["manifest_rank0.json", "rank0.pt"]
 
 
 def test_a_checkpoint_written_before_the_typed_state_loads(tmp_path):

@@ -40,7 +40,7 @@ class RaySession:
                              checkpoint_dir_name=checkpoint_name)
         except OSError as exc:  # Ray's copy to storage failed part-way (a full disk, a lost mount)
             target = f"{self.storage.experiment_fs_path}/{checkpoint_name}"
-            remove_partial(self.storage.storage_filesystem, target)
+            remove_own_part(self.storage.storage_filesystem, target, Path(checkpoint))
             raise write_failure(exc, f"checkpoint {target} (rank {self.rank}'s part)",
                                 directory_size(checkpoint)) from exc
 
@@ -57,13 +57,18 @@ class RaySession:
             out.write(text.encode())
 
 
-def remove_partial(filesystem, path: str) -> None:
-    """Remove a checkpoint directory Ray could not finish copying: never left for a resume to trip over."""
-    try:
-        if filesystem.get_file_info(path).type != fs.FileType.NotFound:
-            filesystem.delete_dir(path)
-    except OSError:  # already gone, or another rank removed it first
-        pass
+def remove_own_part(filesystem, target: str, staged: Path) -> None:
+    """Remove what this rank was copying into the checkpoint directory `target` (the files of its staged checkpoint
+    `staged`), never the directory: a peer may still be copying its own part into it, and would then fail on a
+    directory gone (a collateral error that hides the cause) instead of on its own write. What peers leave behind is
+    removed by the driver once every worker is gone (`orchestrator.runner.checkpoints.remove_unfinished`); a resume
+    skips an incomplete checkpoint meanwhile."""
+    for path in staged.rglob("*"):
+        if path.is_file():
+            try:
+                filesystem.delete_file(f"{target}/{path.relative_to(staged).as_posix()}")
+            except OSError:  # never copied, or storage itself is what failed
+                pass
 
 
 def ray_candidates(filesystem, run_dir: str) -> list[Candidate]:
