@@ -282,6 +282,10 @@ class Net(nn.Module):
 @pytest.mark.slow
 def test_sweep_runs_each_preset_as_a_child_compares_them_and_goes_on_past_a_failed_one(ray_session, new_store,
                                                                                        tmp_path, monkeypatch, capsys):
+    """A sweep of three presets, one failing, compared in one table.
+
+    Long: it trains three runs one after another through Ray Train (one worker group each), since the sweep's
+    children are whole submits and going on past a failed one is what it checks."""
     # An import-path model from the sweep's directory; it fails to train under O1 (fp16 autocast) only. The
     # failing preset is in the middle: the one after it still runs, and the first stays the baseline. In this
     # process's Ray (how a sweep that starts its own ships the model is submit's, test_submit_e2e).
