@@ -41,6 +41,7 @@ from orchestrator.train.hooks.outbox import ReplayOutbox
 from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
+from orchestrator.train.hooks.throughput import Throughput
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.train.report import Report, checkpoint_score
@@ -122,6 +123,7 @@ class TrainingLoop:
         self.hooks = Hooks([
             Watchdog(cfg.failure.step_timeout_s),  # first: it is set up first and stopped first
             *([PreemptionCheck()] if cfg.failure.preemption_grace_s is not None else []),
+            Throughput(cfg.perf.peak_tflops),  # early: its FLOP counter wraps no other hook's work of step 1
             SystemMetrics(cfg.tracking.system_metrics_interval_s), TimeToFirstStep(launched_at), PolicyAudit(),
             MemoryReport(), LossScaleTelemetry(), CollapseRecovery(cfg.precision.scaler.on_collapse),
             ParamGroupTable(fresh=state is None),
