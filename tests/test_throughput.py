@@ -2,6 +2,8 @@
 the peak of a step's mix of dtypes, and `perf/tflops_per_s`, `perf/mfu` and `perf/tokens_per_s` in a run's
 reports (the Ray-free loop on the CPU)."""
 
+import time
+
 import pytest
 import yaml
 import torch
@@ -138,3 +140,62 @@ def test_a_batch_of_token_ids_logs_tokens_per_second(write_job, tmp_path, monkey
     for metrics, (tokens, samples) in zip(reports, counted.windows):
         assert metrics["perf/tokens_per_s"] == pytest.approx(tokens / samples * metrics["perf/samples_per_s"])
         assert metrics["perf/tflops_per_s"] > 0
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    """Digits whose every sample takes `seconds` to load: the loader's wait is known."""
+
+    def __init__(self, data, seconds: float):
+        self.data, self.seconds = data, seconds
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        time.sleep(self.seconds)
+        return self.data[index]
+
+
+def slow_digits(seconds: float = 0.004):
+    from orchestrator.train.data import _digits
+
+    train, evaluation = _digits()
+    return SlowSamples(train, seconds), evaluation
+
+
+class SlowHook:
+    """Host work of its own after each step: what `time/other_s` holds."""
+
+    def after_step(self, loop, step):
+        time.sleep(0.05)
+
+
+def test_a_windows_wall_time_is_split_into_its_parts_each_where_it_was_spent(write_job, tmp_path):
+    """Loading (a known sleep per sample), steps, evaluation and a checkpoint every 4 steps, a hook's own time:
+    each lands in its part, the parts add up to the window's wall time, and the windows to the training's."""
+    batch, per_sample = 8, 0.004
+    cfg = load_job(write_job(small_job(
+        scaling={"num_workers": 1}, data={"name": "test_throughput:slow_digits", "kwargs": {"seconds": per_sample}},
+        run={"epochs": 1, "batch_size": batch, "max_steps_per_epoch": 12, "eval_every_n_steps": 4},
+        checkpoint={"every_n_steps": 4}, tracking={"log_every_n_steps": 4})))
+    session = LocalSession(0, 1, CPU, tmp_path / "checkpoints")
+    loop = TrainingLoop(cfg, session, hooks=[SlowHook()])
+    began = time.perf_counter()
+    loop.run()
+    trained = time.perf_counter() - began
+    windows = [r.metrics for r in session.reports if "time/compute_s" in r.metrics]
+    assert len(windows) == 3
+    parts = ("data", "compute", "comm", "eval", "checkpoint", "other")
+    for number, metrics in enumerate(windows):
+        assert all(metrics[f"time/{part}_s"] >= 0 for part in parts)
+        assert metrics["time/data_s"] >= 0.9 * 4 * batch * per_sample  # 4 steps' batches, loaded one by one
+        assert metrics["time/other_s"] >= 4 * 0.05  # the hook's sleep after each of 4 steps
+        assert metrics["time/compute_s"] > 0 and metrics["time/comm_s"] > 0
+        wall = sum(metrics[f"time/{part}_s"] for part in parts)
+        assert metrics["perf/samples_per_s_wall"] == pytest.approx(4 * batch / wall)
+        if number > 0:  # the evaluation and checkpoint at the end of the window before (they follow its read)
+            assert metrics["time/eval_s"] > 0 and metrics["time/checkpoint_s"] > 0
+            assert metrics["perf/samples_per_s_wall"] < metrics["perf/samples_per_s"]  # which that one leaves out
+    # The windows tile the training's time: all of it but what ran outside any (set-up, the epoch's end).
+    accounted = sum(sum(m[f"time/{part}_s"] for part in parts) for m in windows)
+    assert 0.5 * trained < accounted <= trained
