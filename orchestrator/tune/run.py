@@ -103,7 +103,8 @@ def tune(cfg, say: Callable[[str], None] = print) -> Tune:
     model = build_model(cfg.model)
     policy = Policy.from_config(cfg.precision)  # the job's own: its preset and rules are constraints the tune keeps
     plans = plan(model, policy)
-    kept = [name for name, layer in plans.items() if name and layer.rule is not None and layer.has_params]
+    kept = [name for name, layer in plans.items()
+            if name and layer.rule not in (None, "keep_norm_fp32") and layer.has_params]
     probe = Probe(model, batches[: settings.batches], task.build_loss(cfg.task), device, exclude=kept)
     base = OmegaConf.to_container(cfg.precision)
 
@@ -163,7 +164,8 @@ def tuned_job(job_path: Path, overrides: list[str], precision: dict[str, Any]) -
     data.pop("tune", None)
     resolved = OmegaConf.to_container(load_job(job_path, overrides).precision)
     written = dict(data.get("precision") or {})
-    written.update({key: value for key, value in precision.items() if key == "rules" or value != resolved.get(key)})
+    written.update({key: value for key, value in precision.items() if key != "rules" and value != resolved.get(key)})
+    written["rules"] = [*written.get("rules", []), *precision["rules"][len(resolved["rules"]):]]  # the job's as written
     data["precision"] = written
     return yaml.safe_dump(data, sort_keys=False)
 
