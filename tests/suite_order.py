@@ -19,6 +19,7 @@ FILE_SECONDS = {
     "test_interrupt_e2e.py": 405,
     "test_bench.py": 410,
     "test_resume_e2e.py": 275,
+    "test_transformers_precision.py": 275,
     "test_sweep.py": 270,
     "test_remote_submit.py": 230,
     "test_submit_e2e.py": 225,
