@@ -14,7 +14,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from orchestrator.config.schema import JobConfig, PrecisionSection
 from orchestrator.config.validate import validate
-from orchestrator.config.yamlsafe import load_yaml_mapping, parse_value
+from orchestrator.config.yamlsafe import MAX_DEPTH, load_yaml_mapping, parse_value
 from orchestrator.errors import BadInput
 from orchestrator.precision.policy import Policy
 
@@ -118,15 +118,26 @@ def parse_overrides(overrides: Iterable[str]) -> DictConfig:
     items = list(overrides)
     for item in items:
         if "=" not in item or item.startswith("="):
-            raise BadInput(f"command line: override '{item}' is not of the form key.path=value (e.g. run.epochs=2).")
+            raise BadInput(f"command line: override '{_shown(item)}' is not of the form key.path=value "
+                           "(e.g. run.epochs=2).")
+        parts = item.partition("=")[0].count(".") + 1
+        if parts > MAX_DEPTH:
+            raise BadInput(f"command line: override '{_shown(item)}': its key has {parts} parts, more than the "
+                           f"{MAX_DEPTH} levels a job may nest. Give a key of the schema (e.g. run.epochs=2).")
     cli = OmegaConf.create()
     for item in items:
         key, _, text = item.partition("=")
         try:
             OmegaConf.update(cli, key, parse_value(text), merge=True)
         except (yaml.YAMLError, OmegaConfBaseException) as exc:
-            raise BadInput(f"command line: cannot parse override '{item}': {str(exc).splitlines()[0]}") from None
+            raise BadInput(f"command line: cannot parse override '{_shown(item)}': {str(exc).splitlines()[0]}") \
+                from None
     return cli
+
+
+def _shown(item: str, limit: int = 200) -> str:
+    """An override as an error quotes it: cut after `limit` characters."""
+    return item if len(item) <= limit else f"{item[:limit]}... ({len(item):,} characters)"
 
 
 def resolve_preset(name: str) -> str:
