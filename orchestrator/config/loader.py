@@ -4,7 +4,10 @@ Every merge is done against the typed schema, so an error names the layer it cam
 from (preset file, job file or command line) and the key path inside it.
 """
 
+import dataclasses
 import difflib
+import typing
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -63,6 +66,11 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)
     except ConfigKeyError as exc:
+        entry = _entry_of(layer, exc)
+        if entry is not None:
+            where, fields = entry
+            raise BadInput(f"{source}: unknown key '{exc.key}' in {where}.{_nearest(str(exc.key), fields)} "
+                           f"Allowed keys in each entry of {where.partition('[')[0]}: {', '.join(fields)}.") from None
         full_key = str(exc.full_key or exc.key)
         allowed = _allowed_keys(base, full_key)
         leaf = full_key.rsplit(".", 1)[-1]
@@ -72,10 +80,50 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
             f"{source}: unknown key '{full_key}'.{hint} Allowed keys in {parent}: {', '.join(allowed)}."
         ) from None
     except OmegaConfBaseException as exc:
+        entry = _entry_of(layer, exc)
         key = getattr(exc, "full_key", None)
         first_line = str(exc).splitlines()[0]
-        where = f"key '{key}'" if key else "a section"
+        where = f"key '{exc.key}' of {entry[0]}" if entry is not None else f"key '{key}'" if key else "a section"
         raise BadInput(f"{source}: {where}: {first_line}. Fix the value's type (see orchestrator/config/schema.py).") from None
+
+
+@lru_cache(maxsize=None)
+def _entry_sections(cls: type = JobConfig, prefix: str = "") -> tuple[tuple[str, type], ...]:
+    """The schema's lists of sections (`precision.rules`, `task.metrics`, `callbacks`) and their entries' type."""
+    found = []
+    for name, annotation in typing.get_type_hints(cls).items():
+        for candidate in (annotation, *typing.get_args(annotation)):
+            args = typing.get_args(candidate)
+            if dataclasses.is_dataclass(candidate):
+                found += _entry_sections(candidate, f"{prefix}{name}.")
+                break
+            if typing.get_origin(candidate) is list and args and dataclasses.is_dataclass(args[0]):
+                found.append((f"{prefix}{name}", args[0]))
+                break
+    return tuple(found)
+
+
+def _entry_of(layer: Any, exc: OmegaConfBaseException) -> Optional[tuple[str, list[str]]]:
+    """Where an error OmegaConf raised inside an entry of a list of sections lies, as OmegaConf does not say
+    (its key path starts again inside the entry): (`precision.rules[1] (match 'features.*')`, the entry's
+    fields), or None when the error is not in such an entry."""
+    entry_type = getattr(exc, "object_type", None)
+    data = OmegaConf.to_container(layer) if isinstance(layer, DictConfig) else layer
+    for path, cls in _entry_sections():
+        if cls is not entry_type:
+            continue
+        for candidate in (path, path.partition(".")[2]):  # a precision preset's layer has no `precision.`
+            node = data
+            for part in candidate.split(".") if candidate else ():
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, list):
+                continue
+            for index, entry in enumerate(node):
+                if isinstance(entry, dict) and exc.key in entry:
+                    label = next((f" ({field} {entry[field]!r})" for field in ("match", "name")
+                                  if isinstance(entry.get(field), str)), "")
+                    return f"{path}[{index}]{label}", [f.name for f in dataclasses.fields(cls)]
+    return None
 
 
 LIST_SECTIONS = ("callbacks",)
