@@ -102,7 +102,10 @@ def parse_value(text: str):
 
 
 def _size(count: int) -> str:
-    return f"{count / 1024 / 1024:.1f} MiB" if count >= 1024 * 1024 else f"{count:,} bytes"
+    """`1 MiB` for the limit, `40.0 MiB` for a large file, `1,048,577 bytes` for one just past the limit."""
+    if count == MAX_BYTES:
+        return f"{MAX_BYTES // 1024 // 1024} MiB"
+    return f"{count / 1024 / 1024:.1f} MiB" if count >= 10 * 1024 * 1024 else f"{count:,} bytes"
 
 
 def read_text(path: Path, what: str = "job file") -> str:
@@ -138,6 +141,10 @@ def load_yaml_mapping(path: Path, what: str = "job file") -> dict:
     except TooLarge as exc:
         raise BadInput(f"{path}, line {exc.line}: refused as a {what}: {exc.problem}. Give the job's own YAML "
                        "file; put large data in files its code reads.") from None
+    except yaml.MarkedYAMLError as exc:  # one line: where, and what is wrong there
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise BadInput(f"{path}{where}: not valid YAML for a {what}: {exc.problem or exc.context}.") from None
     except yaml.YAMLError as exc:
         raise BadInput(f"{path}: not valid YAML for a {what}: {exc}") from None
     if data is None:
