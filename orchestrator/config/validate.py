@@ -35,8 +35,8 @@ class Seconds:
     """The range of a duration key (`..._s`): finite, above `low` (or from it, `from_low`), at most `high`."""
 
     high: float
-    """The upper bound, stated in the key's doc line: a bound past it would overflow a timer (`threading.Timer`,
-    `time_t`) or a `timedelta`, and waits that long are a mistake."""
+    """The upper bound, stated in the key's doc line: a wait past it is a mistake, and 1e300 or infinity would
+    overflow the timer or `timedelta` it is given (on SIGTERM the preemption timer raised OverflowError)."""
     low: float = 0.0
     from_low: bool = False
     """`low` itself is allowed (>=), else only what is above it (>)."""

@@ -105,18 +105,23 @@ def _size(count: int) -> str:
     """`1 MiB` for the limit, `40.0 MiB` for a large file, `1,048,577 bytes` for one just past the limit."""
     if count == MAX_BYTES:
         return f"{MAX_BYTES // 1024 // 1024} MiB"
-    return f"{count / 1024 / 1024:.1f} MiB" if count >= 10 * 1024 * 1024 else f"{count:,} bytes"
+    return f"{count / 1024 / 1024:.1f} MiB" if count > 2 * MAX_BYTES else f"{count:,} bytes"
 
 
 def read_text(path: Path, what: str = "job file") -> str:
     """The text of `path` for a YAML `what`: BadInput when it is larger than MAX_BYTES (checked before it is read)
     or not UTF-8 text."""
-    size = path.stat().st_size
-    if size > MAX_BYTES:
-        raise BadInput(f"{path}: the {what} is {_size(size)}, more than the {_size(MAX_BYTES)} a {what} may have. "
-                       "Give the YAML job file (a job is a few kilobytes; put large data in files its code reads).")
-    with path.open("rb") as stream:
-        data = stream.read(MAX_BYTES + 1)  # a file that grew since: still no more than the limit read
+    try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise BadInput(f"{path}: the {what} is {_size(size)}, more than the {_size(MAX_BYTES)} a {what} may "
+                           "have. Give the YAML job file (a job is a few kilobytes; put large data in files its code "
+                           "reads).")
+        with path.open("rb") as stream:
+            data = stream.read(MAX_BYTES + 1)  # a file that grew since: still no more than the limit read
+    except OSError as exc:  # no permission to read it, an I/O error
+        raise BadInput(f"{path}: cannot read the {what} ({exc.strerror or exc}). Check the file and its "
+                       "permissions.") from None
     if len(data) > MAX_BYTES:
         raise BadInput(f"{path}: the {what} is more than the {_size(MAX_BYTES)} a {what} may have.")
     try:
