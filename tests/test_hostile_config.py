@@ -81,6 +81,9 @@ SUBMIT = {
                                        {"match": "features.*", "dtype": "float32", "checkpoint": 1}]}), [],
         "unknown key 'checkpoint' in precision.rules[1] (match 'features.*'). Allowed keys in each entry of "
         "precision.rules: match, dtype, scaling."),
+    "rule_value_of_the_wrong_type": (
+        small_job(), ['precision.rules=[{match: a, dtype: float32, scaling: rowwise}, {match: b, dtype: float32, '
+                      'scaling: [1]}]'], "key 'scaling' of precision.rules[1] (match 'b'): Cannot convert"),
     "metric_unknown_key": (small_job(task={"metrics": [{"name": "accuracy", "log": "acc"}]}), [],
                            "unknown key 'log' in task.metrics[0] (name 'accuracy'). Did you mean 'log_as'?"),
     "model_loss_not_taken": (small_job(task={"loss": "model"}), [],

@@ -119,11 +119,20 @@ def _entry_of(layer: Any, exc: OmegaConfBaseException) -> Optional[tuple[str, li
             if not isinstance(node, list):
                 continue
             for index, entry in enumerate(node):
-                if isinstance(entry, dict) and exc.key in entry:
+                if isinstance(entry, dict) and exc.key in entry and not _fits(cls, entry):
                     label = next((f" ({field} {entry[field]!r})" for field in ("match", "name")
                                   if isinstance(entry.get(field), str)), "")
                     return f"{path}[{index}]{label}", [f.name for f in dataclasses.fields(cls)]
     return None
+
+
+def _fits(cls: type, entry: dict) -> bool:
+    """Whether `entry` merges into the section `cls` on its own."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(cls), entry)
+    except OmegaConfBaseException:
+        return False
+    return True
 
 
 LIST_SECTIONS = ("callbacks",)
