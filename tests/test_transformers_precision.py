@@ -287,3 +287,33 @@ def test_the_bare_bert_classifier_tunes_and_its_tuned_job_trains(text_dir, write
         trained.info.run_id, "precision/audit.json")).read())}
     for layer, dtype in rules.items():  # each layer stored and computed in what the tune chose
         assert (audit[layer]["param_dtype"], audit[layer]["output_dtype"]) == (dtype, dtype), audit[layer]
+
+
+@pytest.mark.slow  # tunes, then trains through submit on the session's Ray
+def test_the_tuned_vit_trains_through_submit_with_its_head_and_preset_kept(text_dir, write_job, ray_session, new_store,
+                                                                           capsys):
+    """The issue's ViT: tuned for an h100 under O2 with `head*: float32`, then submitted; the run's audit has the head
+    stored and computed in fp32 and the root's own parameters in O2's float16.
+
+    Long: a tune and one ViT training run through submit."""
+    from mlflow import MlflowClient
+
+    from orchestrator.cli.submit import main as submit
+    from orchestrator.cli.tune import main
+    from orchestrator.tracking.tracker import RunTracker
+
+    uri = new_store(text_dir)
+    job = write_job(small_job(model=VIT, precision={"preset": "O2", "rules": [{"match": "head*", "dtype": "float32"}]},
+                              scaling={"num_workers": 1}, run={"epochs": 1, "batch_size": 16, "max_steps_per_epoch": 2},
+                              tracking={"uri": uri, "experiment": "vit", "system_metrics_interval_s": 0},
+                              tune={"batches": 1, "validate_steps": 0}))
+    assert main([str(job), "tune.target=h100", "--output", "tuned.yaml", "-q"]) == 0, capsys.readouterr().err
+    assert submit(["tuned.yaml", "-q", f"checkpoint.storage_path={text_dir / 'ray_results'}"]) == 0, \
+        capsys.readouterr().err
+    client = MlflowClient(uri)
+    (trained,) = [r for r in client.search_runs([client.get_experiment_by_name("vit").experiment_id])
+                  if r.data.tags.get("ampflow.kind") != "tune"]
+    assert trained.info.status == "FINISHED"
+    entries = {e["name"]: e for e in RunTracker.open(uri, trained.info.run_id).load_json("precision/audit.json")}
+    assert (entries["head"]["param_dtype"], entries["head"]["output_dtype"]) == ("float32", "float32")
+    assert entries["head"]["rule"] == "head*" and entries["(model)"]["param_dtype"] == "float16"
