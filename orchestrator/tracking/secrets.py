@@ -38,6 +38,11 @@ _SECRET_FIELD = re.compile(rf"(?<![A-Za-z0-9_.-])(?P<key>{_SECRET_KEY}|sig)(?P<e
                            re.I)
 _SECRET_YAML_FIELD = re.compile(rf"^(?P<key>[ \t]*(?:- )?{_SECRET_KEY})(?P<equals>:[ \t]+)(?P<value>[^\s#].*?)[ \t]*$",
                                 re.I | re.M)
+# The same key in a mapping written out: JSON's `"hf_token": "..."`, Python's `{'password': '...'}` (a dict in an
+# error message), YAML's flow style `{api_key: ...}`.
+_SECRET_MAPPING_FIELD = re.compile(
+    rf"(?P<key>(?P<quote>[\"']){_SECRET_KEY}(?P=quote)|(?<=[{{,])[ \t]*{_SECRET_KEY})(?P<equals>[ \t]*:[ \t]*)"
+    r"(?P<value>\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[^\s,}\]]+)", re.I)
 _SECRET_KEY_NAME = re.compile(_SECRET_KEY, re.I)
 MASK = "***"
 
@@ -66,6 +71,7 @@ def _masked(text: str, secrets: list[str]) -> str:
     text = _BARE_USERINFO.sub(lambda m: m[0] if m["token"] == MASK else f"{m['scheme']}{MASK}@", text)
     text = _SECRET_FIELD.sub(_masked_field, text)
     text = _SECRET_YAML_FIELD.sub(_masked_field, text)
+    text = _SECRET_MAPPING_FIELD.sub(_masked_mapping_field, text)
     for value in secrets:
         if len(value) >= MIN_ANYWHERE_LENGTH:
             text = text.replace(value, MASK)
@@ -78,6 +84,15 @@ def _masked_field(match: re.Match) -> str:
     if not _is_secret_value(match["value"]):
         return match[0]
     return f"{match['key']}{match['equals']}{MASK}"
+
+
+def _masked_mapping_field(match: re.Match) -> str:
+    """As `_masked_field`, a quoted value keeping its quotes: a JSON string stays a JSON string."""
+    value = match["value"]
+    if not _is_secret_value(value):
+        return match[0]
+    quote = value[0] if value[:1] in ("'", '"') else ""
+    return f"{match['key']}{match['equals']}{quote}{MASK}{quote}"
 
 
 def _is_secret_value(value: str) -> bool:
@@ -174,3 +189,23 @@ def _redacting_record_factory(make_record):
 
     make.redacts = True
     return make
+
+
+def redact_figure(figure):
+    """Every text a matplotlib figure draws (titles, axis and tick labels, legends, annotations), redacted in place;
+    returns the figure. A tick label is made when the figure is drawn, so it is drawn (not rendered) first."""
+    from matplotlib.text import Text
+
+    secrets = secret_values()
+    figure.draw_without_rendering()
+    for axes in figure.get_axes():
+        for axis in (axes.xaxis, axes.yaxis):
+            labels = [label.get_text() for label in axis.get_ticklabels()]
+            masked = [_masked(label, secrets) for label in labels]
+            if masked != labels:
+                axis.set_ticks(axis.get_ticklocs(), labels=masked)
+    for text in figure.findobj(Text):
+        masked = _masked(text.get_text(), secrets)
+        if masked != text.get_text():
+            text.set_text(masked)
+    return figure
