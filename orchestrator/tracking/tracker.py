@@ -34,7 +34,7 @@ from orchestrator.errors import BadInput
 from orchestrator.tracking import logged_model
 from orchestrator.tracking.plots import log_run_plots
 from orchestrator.tracking.refusals import Refusals
-from orchestrator.tracking.secrets import redact, redact_all, redact_figure
+from orchestrator.tracking.secrets import redact, redact_all, redact_figure, redact_yaml
 
 if TYPE_CHECKING:
     from orchestrator.tracking.lineage import DatasetLineage
@@ -344,7 +344,9 @@ class RunTracker:
 
     @_write
     def log_text(self, text: str, artifact_path: str) -> None:
-        self._client.log_text(self.run_id, redact(text), artifact_path)
+        """A text artifact, redacted; a YAML one (by its suffix) stays a YAML document that loads."""
+        masked = redact_yaml(text) if artifact_path.endswith((".yaml", ".yml")) else redact(text)
+        self._client.log_text(self.run_id, masked, artifact_path)
         self.artifacts_logged.add(artifact_path)
 
     @_write
