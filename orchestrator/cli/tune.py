@@ -14,7 +14,7 @@ from orchestrator import console
 from orchestrator.cli.program import prog
 from orchestrator.config.loader import load_job
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, command_exit
-from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.secrets import install_console_redaction, redact, remember_secrets
 from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
 
 
@@ -36,6 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         cfg = load_job(args.job, args.overrides)
+        remember_secrets(cfg)  # masked wherever they show, as the environment's are
         result = tune(cfg, say=console.logger.info)
     except BadInput as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
