@@ -22,6 +22,7 @@ FILE_SECONDS = {
     "test_sweep.py": 270,
     "test_remote_submit.py": 230,
     "test_submit_e2e.py": 225,
+    "test_hostile_secrets.py": 450,
     "test_s3_e2e.py": 210,
     "test_third_party_e2e.py": 190,
     "test_guardrails_e2e.py": 185,
