@@ -274,6 +274,20 @@ class RunTracker:
                                                     tracking_uri=self.uri)
         return Path(local).read_text()
 
+    def find_text(self, artifact_path: str) -> Optional[str]:
+        """The artifact's text; None where the run has no such artifact."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.load_text(artifact_path)
+        except (MlflowException, OSError):
+            return None
+
+    def has_logged_model(self, name: str) -> bool:
+        """Whether the run logged a model named `name` (an MLflow 3 LoggedModel)."""
+        return bool(self._client.search_logged_models(
+            [self.experiment_id], filter_string=f"source_run_id = '{self.run_id}' AND name = '{name}'"))
+
     def load_model(self):
         """The run's fp32 model (`model`) as logged at the end of training: its pt2 program, loaded without
         unpickling anything (`orchestrator.tracking.model_files`); BadInput when it has none."""
