@@ -29,8 +29,9 @@ CLASSIFICATION_LOSSES = ("cross_entropy",)
 """Losses whose outputs are class scores, so accuracy means something."""
 LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits", "model")
 """Built-in losses; `model`: the loss the model returns."""
-METRICS = ("accuracy", "top5")
-"""Built-in metrics: both need class scores (outputs N x classes, integer targets)."""
+METRICS = ("accuracy", "top5", "token_accuracy")
+"""Built-in metrics: class scores, integer targets. `accuracy`, `top5`: one prediction per sample (outputs N x classes);
+`token_accuracy`: one per token (outputs N x tokens x classes, targets N x tokens, `-100` ignored)."""
 
 
 def check_model_name(name: str, where: str = "model.name") -> None:

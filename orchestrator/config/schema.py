@@ -78,7 +78,7 @@ class DataSection:
 @dataclass
 class MetricSection:
     name: str = MISSING
-    """`accuracy`, `top5`, an import path to your own function `fn(outputs, targets) -> {name: (sum, count)}`, or
+    """`accuracy`, `top5`, `token_accuracy` (per-token outputs; targets of `-100` ignored), an import path to your own function `fn(outputs, targets) -> {name: (sum, count)}`, or
     to a torchmetrics.Metric class (`torchmetrics.classification:MulticlassF1Score`)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a torchmetrics Metric's constructor (`{num_classes: 4, average: macro}`)."""
@@ -97,7 +97,7 @@ class TaskSection:
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
     metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
-    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, import paths to your own
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, `token_accuracy`, import paths to your own
     `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name: <torchmetrics Metric
     class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A bare string is `{name:
     ...}`."""

@@ -1,7 +1,8 @@
 """What the model is trained to do: the loss (`task.loss`) and the evaluation metrics (`task.metrics`).
 
 Built in: `cross_entropy` (with `task.label_smoothing`), `mse` and `bce_with_logits` losses; `accuracy`
-and `top5` metrics. Or the user's own, by import path (`package.module:name`, shipped to the workers as an
+and `top5` metrics, and `token_accuracy` for per-token outputs (a tagger's `N x tokens x classes` scores against
+`N x tokens` targets, the tokens whose target is `IGNORE_INDEX` left out: padding, as Hugging Face marks it). Or the user's own, by import path (`package.module:name`, shipped to the workers as an
 import-path model is):
 - a loss `fn(outputs, targets) -> loss`: a scalar tensor, the mean over the batch;
 - a metric `fn(outputs, targets) -> {name: (sum, count)}`: for each name, a sum and the number of items
@@ -110,8 +111,32 @@ def build_loss(task) -> Loss:
     return lambda outputs, targets: user_loss(fp32(outputs), targets)
 
 
+IGNORE_INDEX = -100
+"""The target of a token that no metric or loss counts (padding): torch's `cross_entropy` default and Hugging Face's."""
+
+
+def _per_token(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    return isinstance(targets, torch.Tensor) and targets.dim() >= 2 and outputs.dim() == targets.dim() + 1
+
+
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
+    if _per_token(outputs, targets):
+        raise ValueError(f"per-token outputs ({'x'.join(map(str, outputs.shape))} scores for "
+                         f"{'x'.join(map(str, targets.shape))} targets): 'accuracy' takes one prediction per sample. "
+                         f"Name the metric for tokens, task.metrics: [token_accuracy] (targets of {IGNORE_INDEX} "
+                         "ignored)")
     return {"accuracy": ((outputs.argmax(dim=1) == targets).sum(), targets.shape[0])}
+
+
+def token_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
+    """The share of tokens whose best-scored class is their target, over every token whose target is not
+    `IGNORE_INDEX`: scores `N x tokens x classes` (the class dim last), targets `N x tokens`."""
+    if not _per_token(outputs, targets):
+        raise ValueError(f"'token_accuracy' takes per-token scores (N x tokens x classes) and targets (N x tokens); "
+                         f"got {'x'.join(map(str, outputs.shape))} scores for {'x'.join(map(str, targets.shape))} "
+                         "targets. For one prediction per sample, name 'accuracy'")
+    counted = targets != IGNORE_INDEX
+    return {"token_accuracy": (((outputs.argmax(dim=-1) == targets) & counted).sum(), counted.sum())}
 
 
 def top5(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
@@ -119,7 +144,7 @@ def top5(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, A
     return {"top5": ((best == targets.unsqueeze(1)).any(dim=1).sum(), targets.shape[0])}
 
 
-BUILT_IN = {"accuracy": accuracy, "top5": top5}
+BUILT_IN = {"accuracy": accuracy, "top5": top5, "token_accuracy": token_accuracy}
 
 
 class SummedMetric:
