@@ -25,7 +25,7 @@ from orchestrator.precision.float8 import convert_float8, float8_layers
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
-from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome, clip
+from orchestrator.precision.guarded_step import Counters, GuardedScaler, StepOutcome, clip
 
 if TYPE_CHECKING:
     from orchestrator.precision.fsdp import FsdpAudit

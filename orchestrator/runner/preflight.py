@@ -32,7 +32,7 @@ from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
 from orchestrator.train.batch import BatchLayout, describe as describe_value
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
-from orchestrator.train.lint import lint
+from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
 from orchestrator.runner.preflight_precision import check_policy_kept
 from orchestrator.train.modes import eval_mode

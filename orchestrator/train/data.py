@@ -360,9 +360,9 @@ def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device) ->
     workers = Workers.of(cfg.scaling)
     elastic = Elastic(cfg.run.accumulate_steps, workers.max) if workers.elastic else None
     shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed, elastic=elastic)
-    from orchestrator.train import fast
+    from orchestrator.train import cuda_defaults
 
-    if fast.loader(cfg, (train_set, eval_set), device) == "device":  # on the device: batches are slices, no copies
+    if cuda_defaults.loader(cfg, (train_set, eval_set), device) == "device":  # on the device: batches are slices, no copies
         train, evaluation, position = build_device_loaders(train_set, eval_set, augment=cfg.data.augment,
                                                            device=device, **shard)
     else:

@@ -28,7 +28,7 @@ from torch import nn
 
 from orchestrator.precision import Policy, Precision, plan
 from orchestrator.precision.fsdp import FsdpSettings, plan_units
-from orchestrator.precision.scaling import clip as clip_gradients
+from orchestrator.precision.guarded_step import clip as clip_gradients
 from orchestrator.train.checkpoint import (STATE_FILE, Candidate, CorruptCheckpoint, load_newest_valid, manifest_file,
                                            read_checkpoint, staged_checkpoint)
 from orchestrator.train.collectives import all_agree

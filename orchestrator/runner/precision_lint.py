@@ -1,7 +1,8 @@
 """Dangerous precision combinations of a job, found on the driver before Ray starts.
 
-The precision lint lives with training, not in `orchestrator.precision`: it judges the policy together with
-the job's real optimizer (`orchestrator.train.optim`), which it runs on a toy parameter.
+The precision lint runs on the driver (`orchestrator.runner.preflight`), not in `orchestrator.precision`: it
+judges the policy together with the job's real optimizer (`orchestrator.train.optim`), which it runs on a toy
+parameter.
 
 Each finding says what is wrong, where, and the fix, and is an error or a warning.
 `precision.lint` decides what they do: `error` (errors stop the job with exit 2, warnings are
