@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,10 +25,11 @@ from orchestrator.config.workers import Workers
 from orchestrator.errors import EXIT_FAILED, Interrupted, resume_hint_on_exit
 from orchestrator.runner.preflight import RunChoice, check_cluster_capacity
 from orchestrator.runner import records, stalls
-from orchestrator.runner.outcome import RunResult, failed, finished
+from orchestrator.runner.outcome import failed, finished
+from orchestrator.runner.plan import RunPlan, RunResult
 from orchestrator.runner.records import close_run
 from orchestrator.runner.run_end import RunEnd
-from orchestrator.runner.ray_start import RayStart, server_listens, start_ray
+from orchestrator.runner.ray_start import server_listens, start_ray
 from orchestrator.tracking.progress import ConsoleProgress
 from orchestrator.tracking.secrets import install_console_redaction, redact
 from orchestrator.tracking.tracker import (
@@ -41,27 +41,6 @@ logger = logging.getLogger("ampflow.runner")
 CLOSE_ON_INTERRUPT_S = 5.0
 """After Ctrl-C or SIGTERM, how long the run's last reports, and then its KILLED status, each get to reach MLflow:
 the command must end within `errors.INTERRUPT_DEADLINE_S`."""
-
-
-@dataclass
-class RunPlan:
-    cfg: DictConfig
-    job_path: Path
-    address: Optional[str]
-    uri: str
-    run_name: str
-    resume: bool
-    tracker: object
-    """The MLflow run (RunTracker), or None while MLflow is unreachable and `tracking.required` is false."""
-    parent_run_id: Optional[str] = None
-    """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
-    result: Optional[RunResult] = None
-    """How the run ended, once `execute` has run it (what `orchestrator.run()` returns)."""
-    datasets: Sequence = ()
-    """The train and eval sets' lineage, for a run created once MLflow answers (`RunChoice.datasets`)."""
-    ray: Optional[RayStart] = None
-    """Ray as it was started for this run while its MLflow run was created (`plan_run_as_ray_starts`), or by
-    `execute` (when None, it starts it); `execute` releases it once the run is closed."""
 
 
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None,
