@@ -15,7 +15,8 @@ from orchestrator.config import load_job
 from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput
 from orchestrator.train.samplers import ElasticSampler
-from orchestrator.train.resume import CheckpointFacts, IncompatibleResume, Layout, check_resume
+from orchestrator.config.layout import Layout
+from orchestrator.train.resume import CheckpointFacts, IncompatibleResume, check_resume
 
 
 def job(write_job, *overrides, **sections):

@@ -37,7 +37,8 @@ from orchestrator.train.models import build_model
 from orchestrator.runner.preflight_precision import check_policy_kept
 from orchestrator.train.modes import eval_mode
 from orchestrator.train.optim import check_on_model
-from orchestrator.train.resume import Layout, check_model, check_resume
+from orchestrator.config.layout import Layout
+from orchestrator.train.resume import check_model, check_resume
 from orchestrator.train.strategy import check_plan
 from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32, prediction
 

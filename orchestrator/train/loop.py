@@ -45,7 +45,8 @@ from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.train.report import Report, checkpoint_score
 from orchestrator.train.preemption import Preempted, PreemptionCheck
-from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
+from orchestrator.config.layout import Layout
+from orchestrator.train.resume import CheckpointFacts, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step

@@ -70,7 +70,7 @@ class TrainState:
     (`orchestrator.train.batch.InputExample.state()`): the logged model's signature and input example. Empty in
     checkpoints written before it was kept: the logged model then takes `sample_shape` float32 inputs."""
     layout: dict[str, Any] = field(default_factory=dict)
-    """How the run walked its data (`orchestrator.train.resume.Layout`: world size, batch size, accumulation,
+    """How the run walked its data (`orchestrator.config.layout.Layout`: world size, batch size, accumulation,
     training samples, steps per epoch, epochs, total steps, schedule); {} in checkpoints written before it was
     recorded."""
     rank: Optional[RankState] = None
