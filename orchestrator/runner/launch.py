@@ -11,7 +11,7 @@ from ray.train.torch.config import _TorchBackend  # Ray 2.60: what TorchConfig s
 from orchestrator.config.workers import Workers
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.hooks.watchdog import collective_timeout_s
-from orchestrator.train.memory import allocator_env
+from orchestrator.train.allocator import allocator_env
 from orchestrator.train.preemption import install_notice_handler
 from orchestrator.train.report import CHECKPOINT_SCORE
 
@@ -44,7 +44,7 @@ class DriverTrainer(TorchTrainer):
 
 def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
     """The workers' runtime env: `runtime_env` (the user's modules) plus the allocator settings of
-    `perf.keep_freed_memory` (`train.memory.allocator_env`). Values in the driver's environment win; so do the
+    `perf.keep_freed_memory` (`train.allocator.allocator_env`). Values in the driver's environment win; so do the
     runtime env's own. Ray starts each worker with its runtime env's variables."""
     allocator = allocator_env(cfg.perf.keep_freed_memory)
     if not allocator:

@@ -23,7 +23,7 @@ from orchestrator.train.checkpoint import Candidate, local_candidates
 from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s
-from orchestrator.train.memory import allocator_env
+from orchestrator.train.allocator import allocator_env
 from orchestrator.train.report import Report
 
 
