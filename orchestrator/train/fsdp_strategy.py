@@ -26,6 +26,7 @@ from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, prepa
 from orchestrator.precision.policy import LayerPlan, Policy
 from orchestrator.train import fsdp, fsdp_memory, sharded_checkpoint
 from orchestrator.train.checkpoint import Candidate
+from orchestrator.train.collectives import all_agree
 from orchestrator.train.state import TrainState
 
 
@@ -135,7 +136,7 @@ class FsdpStrategy:
         warnings). A collective."""
         return sharded_checkpoint.load_newest_valid_sharded(
             candidates, self.rank, self.world_size, self.model, optimizer,
-            agree or (lambda ok: sharded_checkpoint.all_ranks_agree(ok, self.device)))
+            agree or (lambda ok: all_agree(ok, self.device)))
 
     # -- memory ----------------------------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -47,7 +46,6 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
                                            manifest_file, rank_file, write_failure)
-from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
@@ -320,11 +318,3 @@ def newest_valid_sharded(candidates: Sequence[Candidate], rank: int, world_size:
         return None, []
     raise CorruptCheckpoint(f"no usable checkpoint in {candidates[0][0].rsplit('/', 1)[0]}: "
                             + " ".join(warnings) + " Start the job afresh (without --resume) or restore the files.")
-
-
-def all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    """True when `ok` on every rank (one all-reduce)."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    if spans_ranks():
-        dist.all_reduce(flag)
-    return float(flag) == 0.0
