@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.cli.program import prog
+from orchestrator.cli.program import prog, refused
 from orchestrator.config.loader import load_job
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, command_exit
-from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput, command_exit
+from orchestrator.tracking.secrets import install_console_redaction
 from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
 
 
@@ -38,8 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_job(args.job, args.overrides)
         result = tune(cfg, say=console.logger.info)
     except BadInput as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refused(exc)
     except ValidationFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -22,7 +22,6 @@ it is (asking torch for its state would first create it, stepping it once at lea
 MLflow model and the export come from the shards).
 """
 
-import hashlib
 import io
 import json
 import os
@@ -45,20 +44,12 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
-                                           manifest_file, rank_file, write_failure)
+                                           manifest_file, rank_file, sha256, write_failure)
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
 METADATA = f"{SHARDED_DIR}/.metadata"
 STRATEGY = "fsdp"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- reading without unpickling ------------------------------------------------------------------------------
@@ -140,7 +131,7 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
     _save_atomically(own, directory / rank_file(rank), save)
     files.append(rank_file(rank))
     manifest = {"strategy": STRATEGY, "world_size": world_size,
-                "files": {name: _sha256(directory / name) for name in files}}
+                "files": {name: sha256(directory / name) for name in files}}
     (directory / manifest_file(rank)).write_text(json.dumps(manifest))
 
 
@@ -212,7 +203,7 @@ def verify_sharded_checkpoint(directory: Path, rank: int, world_size: int) -> No
             if writer not in mine and not reads_it:
                 continue
             path = directory / name
-            if not path.is_file() or _sha256(path) != expected:
+            if not path.is_file() or sha256(path) != expected:
                 raise CorruptCheckpoint(f"{name} is missing or does not match {manifest_file(writer)} "
                                         "(truncated or corrupt)")
     try:
