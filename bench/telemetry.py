@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import common
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 HARNESS = "telemetry"
 TARGET = "<= 1.02"

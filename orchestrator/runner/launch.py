@@ -13,7 +13,7 @@ from orchestrator.runner.worker import train_loop
 from orchestrator.train.hooks.watchdog import collective_timeout_s
 from orchestrator.train.allocator import allocator_env
 from orchestrator.train.preemption import install_notice_handler
-from orchestrator.train.report import CHECKPOINT_SCORE
+from orchestrator.common.report import CHECKPOINT_SCORE
 
 
 class DriverTrainer(TorchTrainer):

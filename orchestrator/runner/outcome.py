@@ -21,7 +21,7 @@ from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tables import audit_summary, audit_summary_html
 from orchestrator.tracking.tracker import view_hint
 from orchestrator.train.checkpoint import CheckpointWriteError
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 
 def _last_frame(traceback_text: str) -> Optional[str]:

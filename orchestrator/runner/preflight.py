@@ -30,17 +30,18 @@ from orchestrator.runner import records
 from orchestrator.runner.checkpoints import newest
 from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
-from orchestrator.train.batch import BatchLayout, describe as describe_value
+from orchestrator.common.values import describe as describe_value, prediction
+from orchestrator.train.batch import BatchLayout
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
 from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
 from orchestrator.runner.preflight_precision import check_policy_kept
-from orchestrator.train.modes import eval_mode
+from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.config.layout import Layout
 from orchestrator.train.resume import check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32, prediction
+from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32
 
 
 @dataclass

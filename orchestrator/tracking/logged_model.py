@@ -20,7 +20,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from orchestrator.train.batch import plain
+from orchestrator.common.modes import eval_mode
+from orchestrator.common.values import plain, prediction
 
 logger = logging.getLogger("ampflow.tracking")
 
@@ -95,9 +96,6 @@ class ModelInputs:
         return ModelSignature(inputs=Schema(specs), outputs=outputs)
 
     def _prediction(self, model: torch.nn.Module) -> Any:
-        from orchestrator.train.modes import eval_mode
-        from orchestrator.train.task import prediction
-
         try:
             with torch.no_grad(), eval_mode(model):  # the model's own modes are kept; no statistic moves
                 outputs = model(*self.tensors[:self.positional],

@@ -24,7 +24,7 @@ from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s
 from orchestrator.train.allocator import allocator_env
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 
 class LocalSession:

@@ -43,7 +43,7 @@ from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
-from orchestrator.train.report import Report, checkpoint_score
+from orchestrator.common.report import Report, checkpoint_score
 from orchestrator.train.preemption import Preempted, PreemptionCheck
 from orchestrator.config.layout import Layout
 from orchestrator.train.resume import CheckpointFacts, Resumed, check_resume

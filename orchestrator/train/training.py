@@ -23,7 +23,7 @@ from orchestrator.train import cuda_defaults, task
 from orchestrator.train.batch import Batch
 from orchestrator.precision.shards import local
 from orchestrator.train.models import build_model
-from orchestrator.train.modes import freeze_norm, train_mode
+from orchestrator.common.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler, should_step_schedule
 from orchestrator.train.resume import IncompatibleResume, model_mismatch

@@ -22,7 +22,8 @@ from orchestrator.config.schema import PrecisionSection
 from orchestrator.precision.dtypes import parse_dtype
 from orchestrator.precision.float8 import FLOAT8, convert_float8, float8_layers, float8_linear
 from orchestrator.precision.policy import NORM_TYPES, Policy, apply, plan
-from orchestrator.train.batch import Batch, tensors
+from orchestrator.common.values import tensors
+from orchestrator.train.batch import Batch
 from orchestrator.tune.devices import Work
 
 FP16_MAX = 65504.0

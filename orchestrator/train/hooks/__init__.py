@@ -27,9 +27,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+from orchestrator.common.report import Report
+
 if TYPE_CHECKING:
     from orchestrator.train.loop import TrainingLoop
-    from orchestrator.train.report import Report
     from orchestrator.train.step import Step
 
 class Hook:
