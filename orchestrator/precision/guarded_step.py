@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.precision.amp import AmpSettings
-from orchestrator.precision.step_outcome import HostCopy, Pending, StepOutcome, first_nonfinite  # noqa: F401 (re-exported)
+from orchestrator.precision.step_outcome import (  # noqa: F401 (re-exported)
+    HostCopy, Pending, StepOutcome, first_nonfinite)
 from orchestrator.precision.scaler import PassThroughScaler, make_scaler
 
 

@@ -24,7 +24,7 @@ from orchestrator.precision.amp import autocast_context
 from orchestrator.precision.float8 import convert_float8, float8_layers
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
-from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
+from orchestrator.precision.policy import Audit, Policy, apply, plan
 from orchestrator.precision.guarded_step import Counters, GuardedScaler, StepOutcome, clip
 
 if TYPE_CHECKING:
@@ -165,10 +165,7 @@ class Precision:
             return None
         audit, self.audit = self.audit, None
         entries = audit.close()
-        sharded = type(audit).__name__ == "FsdpAudit"  # not imported here: torch's FSDP takes seconds to import
-        if sharded:
-            from orchestrator.precision.fsdp import broken_fsdp_promises
-        problems = broken_fsdp_promises(entries) if sharded else broken_promises(entries)
+        problems = audit.broken(entries)  # an FSDP audit also checks its shards
         if problems:
             raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems), entries)
         return entries
