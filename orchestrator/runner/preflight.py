@@ -35,7 +35,7 @@ from orchestrator.train.batch import BatchLayout
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
 from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
-from orchestrator.runner.preflight_precision import check_policy_kept
+from orchestrator.precision.kept import check_policy_kept
 from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.config.layout import Layout

@@ -1,4 +1,4 @@
-"""Pre-flight's check that the precision policy can be kept: the job's model, copied, cast by the policy and run on
+"""Whether the precision policy can be kept, checked on the driver before Ray starts (pre-flight, under DDP): the job's model, copied, cast by the policy and run on
 two samples on the CPU with the audit the workers run after their first step. A layer whose output or storage
 cannot be what its rule promises is refused before Ray starts, naming the layer and the rule that would keep it,
 rather than failing the run on its workers."""
