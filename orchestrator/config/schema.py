@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from orchestrator.config.strategies import DDP
+
 
 @dataclass
 class ModelSection:
@@ -278,7 +280,7 @@ class ScalingSection:
     """Give each worker one GPU (NCCL backend); CPU workers use gloo."""
     resources_per_worker: Dict[str, float] = field(default_factory=dict)
     """Ray resources per worker, e.g. {CPU: 4, GPU: 1}; empty means Ray Train's default (1 CPU, plus 1 GPU with use_gpu)."""
-    strategy: str = "ddp"
+    strategy: str = DDP.name
     """`ddp`: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel).
     `fsdp`: each rank holds a shard of them (FSDP2 `fully_shard`), each unit with the precision policy's dtypes."""
     fsdp: FsdpSection = field(default_factory=FsdpSection)

@@ -35,7 +35,6 @@ from orchestrator.train.batch import BatchLayout
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
 from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
-from orchestrator.precision.kept import check_policy_kept
 from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.config.layout import Layout
@@ -95,9 +94,8 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
             check_metric_names(cfg, evaluated[what])
         check_optimizer(cfg, built[what], warned)
         check_lint(cfg, built[what])
-        if firsts.get(what):  # the policy kept on two samples, as the workers' audit will hold it
-            check_policy_kept(cfg, built[what], firsts[what][0])
-        check_plan(cfg, built[what])  # scaling.strategy fsdp: the units and their policies can be planned
+        # DDP: the policy kept on two samples, as the workers' audit will hold it; FSDP: the units can be planned
+        check_plan(cfg, built[what], firsts[what][0] if firsts.get(what) else None)
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
             check_local_capacity(cfg)

@@ -97,4 +97,4 @@ def train_loop(config: dict[str, Any]) -> None:
     session = RaySession()
     with forwarded_output(config.get("relay"), session.rank, cfg.run.worker_output):
         TrainingLoop(cfg, session, run_id=config.get("run_id"), launched_at=config.get("launched_at"),
-                     wrap=prepare if cfg.scaling.strategy == "ddp" else None).run()
+                     wrap=prepare).run()  # DDP's wrap; FSDP shards the model itself

@@ -43,13 +43,14 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
+from orchestrator.config.strategies import DDP, FSDP, manifest_strategy
 from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
                                            manifest_file, rank_file, sha256, write_failure)
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
 METADATA = f"{SHARDED_DIR}/.metadata"
-STRATEGY = "fsdp"
+STRATEGY = FSDP.name
 
 
 # -- reading without unpickling ------------------------------------------------------------------------------
@@ -180,8 +181,8 @@ def _manifest(directory: Path, rank: int) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except ValueError:
         raise CorruptCheckpoint(f"{path.name} is not JSON (truncated or corrupt)") from None
-    if not isinstance(manifest, dict) or manifest.get("strategy") != STRATEGY:
-        strategy = manifest.get("strategy", "ddp") if isinstance(manifest, dict) else "?"
+    if manifest_strategy(manifest) is not FSDP:
+        strategy = manifest.get("strategy", DDP.name) if isinstance(manifest, dict) else "?"
         raise CorruptCheckpoint(f"{path.name}: written under scaling.strategy {strategy!r}, not 'fsdp': resume it "
                                 "with the strategy that wrote it")
     if not isinstance(manifest.get("world_size"), int) or not isinstance(manifest.get("files"), dict):
