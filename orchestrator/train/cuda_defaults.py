@@ -54,13 +54,12 @@ def set_cudnn_benchmark(cfg: Any, device: torch.device) -> None:
 
 
 def tensor_bytes(dataset: Any) -> Optional[int]:
-    """Bytes of the tensors behind a dataset of (inputs, targets) tensors; None for any other dataset."""
+    """Bytes of the tensors behind a dataset of (inputs, targets) tensors; None for any other dataset. A dataset that
+    says how many it holds on the device says it (`device_bytes()`: `orchestrator.train.data.RepeatedSamples`)."""
     from torch.utils.data import TensorDataset
 
-    from orchestrator.train.data import RepeatedSamples
-
-    if isinstance(dataset, RepeatedSamples):
-        return sum(t[0].numel() * t.element_size() for t in dataset.tensors) * len(dataset)
+    if callable(getattr(dataset, "device_bytes", None)):
+        return dataset.device_bytes()
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         return sum(t.numel() * t.element_size() for t in dataset.tensors)
     return None
