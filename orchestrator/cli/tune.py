@@ -1,6 +1,6 @@
 """`python -m orchestrator.tune JOB [key=value ...] --output FILE` (also `ampflow tune`): choose the cheapest
 per-layer precision policy that keeps the model's numbers, and write it as a job that `submit` takes as it is
-(the tuner itself: `orchestrator.tune`).
+(the tuner itself: `orchestrator.autotune`).
 
 Exit codes: 0 written; 1 no policy passed the validation (nothing written); 2 bad input.
 """
@@ -31,8 +31,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     console.from_args(args)
 
-    from orchestrator.tune.record import log_tune
-    from orchestrator.tune.run import ValidationFailed, tune, tuned_job
+    from orchestrator.autotune.record import log_tune
+    from orchestrator.autotune.run import ValidationFailed, tune, tuned_job
 
     try:
         cfg = load_job(args.job, args.overrides)

@@ -24,7 +24,7 @@ from orchestrator.precision.float8 import FLOAT8, convert_float8, float8_layers,
 from orchestrator.precision.policy import NORM_TYPES, Policy, apply, plan
 from orchestrator.common.values import tensors
 from orchestrator.train.batch import Batch
-from orchestrator.tune.devices import Work
+from orchestrator.autotune.devices import Work
 
 FP16_MAX = 65504.0
 FP16_TINIEST = 2.0 ** -24
