@@ -54,9 +54,11 @@ class Layout:
     fixed one."""
 
     @classmethod
-    def of(cls, cfg, train_samples: int, world_size: int, total_steps: Optional[int] = None) -> "Layout":
-        """The job's layout on `world_size` ranks; `total_steps` defaults to a run from the start."""
-        workers = Workers.of(cfg.scaling)
+    def of(cls, cfg, train_samples: int, world_size: int, total_steps: Optional[int] = None,
+           workers: Optional[Workers] = None) -> "Layout":
+        """The job's layout on `world_size` ranks; `total_steps` defaults to a run from the start. `workers`: the
+        job's, as built once (`orchestrator.config.job.Job.layout`); read from `cfg` when not given."""
+        workers = workers or Workers.of(cfg.scaling)
         max_world_size = workers.max if workers.elastic else None
         per_epoch = steps_per_epoch(train_samples, world_size, cfg.run.batch_size, cfg.run.accumulate_steps,
                                     cfg.run.max_steps_per_epoch, max_world_size)

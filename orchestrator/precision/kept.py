@@ -4,7 +4,7 @@ cannot be what its rule promises is refused before Ray starts, naming the layer 
 rather than failing the run on its workers."""
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -15,11 +15,11 @@ from orchestrator.precision import Audit, Policy, apply, autocast_context, broke
 CPU = "cpu"
 
 
-def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any) -> None:
+def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any, policy: Optional[Policy] = None) -> None:
     """`batch`: the first training `Batch` pre-flight collated. DDP's check (`DdpStrategy.check_plan`): FSDP's
     units and their policies are planned and checked by its own. Nothing to check where every layer is fp32 without
     autocast (O0)."""
-    policy = Policy.from_config(cfg.precision)
+    policy = policy or Policy.from_config(cfg.precision)
     plans = plan(model, policy)
     if not policy.autocast and all(layer.param_dtype == torch.float32 for layer in plans.values()):
         return

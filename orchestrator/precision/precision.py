@@ -53,10 +53,11 @@ def bf16_unsupported(policy: Policy, device: torch.device) -> Optional[str]:
 
 class Precision:
     def __init__(self, section: Any, device: torch.device, *, rank: int = 0, world_size: int = 1,
-                 promoted: Sequence[str] = ()):
-        """`promoted`: layers moved to fp32 at run time (`on_collapse: promote`), ahead of every rule."""
+                 promoted: Sequence[str] = (), policy: Optional[Policy] = None):
+        """`promoted`: layers moved to fp32 at run time (`on_collapse: promote`), ahead of every rule. `policy`: the
+        section as the job built it once (`orchestrator.config.job.Job`); parsed from `section` when not given."""
         self.section, self.device = section, device
-        self.policy = Policy.from_config(section).with_promoted(promoted)
+        self.policy = (policy or Policy.from_config(section)).with_promoted(promoted)
         problem = bf16_unsupported(self.policy, device)
         if problem:
             raise RuntimeError(f"precision: {problem}")

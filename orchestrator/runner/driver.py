@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator import console
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.config.workers import Workers
+from orchestrator.config.job import Job
 from orchestrator.errors import EXIT_FAILED, Interrupted, resume_hint_on_exit
 from orchestrator.runner.preflight import RunChoice, check_cluster_capacity
 from orchestrator.runner import records, stalls
@@ -47,7 +47,7 @@ def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_
                datasets: Sequence = ()):
     tags = {**standard_tags(job_path, Path.cwd()),
             "preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
-            "world_size": str(Workers.of(cfg.scaling)), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
+            "world_size": str(Job.of(cfg).workers), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
             "job_file": str(job_path), "ray_run_name": run_name}
     if "mlflow.source.git.commit" in tags:
         tags["git_commit"] = tags["mlflow.source.git.commit"]  # ampflow's own name for it, kept
@@ -260,7 +260,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         tracker = end.flush(cfg.tracking.flush_timeout_s)
     if tracker is not None and tracker.run_id != run_id:
         records.write_record(storage, plan.run_name, run_id=tracker.run_id)
-    stalled = stalls.new_stalls(storage, plan.run_name, Workers.of(cfg.scaling).max, stalled_before)
+    stalled = stalls.new_stalls(storage, plan.run_name, Job.of(cfg).workers.max, stalled_before)
     if failure is not None:
         return failed(plan, end, failure, stalled)
     stalls.log_and_print(stalled, end.tracker, failed_by_last=False)

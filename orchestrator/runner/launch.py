@@ -8,7 +8,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend  # Ray 2.60: what TorchConfig sets up the workers with
 
-from orchestrator.config.workers import Workers
+from orchestrator.config.job import Job
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.hooks.watchdog import collective_timeout_s
 from orchestrator.train.allocator import allocator_env
@@ -95,7 +95,7 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
     `launched_at` (wall-clock seconds) is when submit began: the workers report `perf/time_to_first_step_s`
     from it. `relay`: the report relay, where the workers send what the user's code prints (`run.worker_output`).
     """
-    workers = Workers.of(cfg.scaling)
+    workers = Job.of(cfg).workers
     scaling = ScalingConfig(
         num_workers=workers.for_ray(),  # (min, max): Ray Train's elastic scaling
         use_gpu=cfg.scaling.use_gpu,

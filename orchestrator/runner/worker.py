@@ -88,6 +88,7 @@ def ray_candidates(filesystem, run_dir: str) -> list[Candidate]:
 
 def train_loop(config: dict[str, Any]) -> None:
     cfg = OmegaConf.create(config["job"])
+    OmegaConf.set_readonly(cfg, True)  # read, never changed: its parts are built once (`orchestrator.config.job`)
 
     def prepare(model):
         wrapped = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(cfg.ddp))

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 import torch
 from torch import nn
 
+from orchestrator.config.job import Job
 from orchestrator.config.strategies import FSDP
 from orchestrator.precision import Precision
 from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, plan_units, prepare
@@ -58,7 +59,7 @@ class FsdpStrategy:
     def check_plan(cfg: Any, model: nn.Module, batch: Any = None) -> None:
         """Pre-flight: the units and their policies can be planned on the CPU model (BadInput naming the rule, the
         `scaling.fsdp.wrap` glob or the model's `fsdp_units` entry that cannot be)."""
-        policy = Policy.from_config(cfg.precision)
+        policy = Job.of(cfg).policy
         plan_units(model, policy, plan(model, policy), FsdpSettings.from_config(cfg.scaling, cfg.precision))
 
     @staticmethod

@@ -68,6 +68,7 @@ def exit_rank() -> NoReturn:
 
 def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, result: str) -> None:
     cfg = OmegaConf.create(job)
+    OmegaConf.set_readonly(cfg, True)  # read, never changed: its parts are built once (`orchestrator.config.job`)
     use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_gpu else torch.device("cpu")
     if use_gpu:

@@ -45,7 +45,7 @@ from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.common.report import Report, checkpoint_score
 from orchestrator.train.preemption import Preempted, PreemptionCheck
-from orchestrator.config.layout import Layout
+from orchestrator.config.job import Job
 from orchestrator.train.resume import CheckpointFacts, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
@@ -106,7 +106,7 @@ class TrainingLoop:
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
         # Both loaders walk a DistributedSampler over the training set (an elastic run: `ElasticSampler`).
-        self.layout = Layout.of(cfg, len(self.position.dataset), self.world_size)
+        self.layout = Job.of(cfg).layout(len(self.position.dataset), self.world_size)
         self.steps_per_epoch = self.layout.steps_per_epoch
 
         # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
@@ -334,7 +334,7 @@ class TrainingLoop:
     def build_resumed(self, state: Optional[TrainState]) -> Training:
         """`build` for the run's start: first where `state` (the checkpoint resumed, None afresh) goes on under this
         job, or IncompatibleResume; that decides the run's total steps, which the schedule is built for."""
-        job = Layout.of(self.cfg, self.layout.train_samples, self.world_size)
+        job = Job.of(self.cfg).layout(self.layout.train_samples, self.world_size)
         self.resumed = check_resume(CheckpointFacts.of_state(state), job, f"the checkpoint of step "
                                     f"{state.global_step}") if state is not None else None
         self.total_steps = self.resumed.total_steps if self.resumed is not None else job.total_steps

@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVa
 import torch
 from torch import nn
 
-from orchestrator.config.strategies import DDP, FSDP, StrategyChoice, manifest_strategy, strategy_named
+from orchestrator.config.job import Job
+from orchestrator.config.strategies import DDP, FSDP, StrategyChoice, manifest_strategy
 from orchestrator.precision import Precision
 from orchestrator.precision.guarded_step import clip as clip_gradients
 from orchestrator.precision.kept import check_policy_kept
@@ -99,7 +100,7 @@ class DdpStrategy:
         """Pre-flight: the policy can be kept, on a copy of the model cast and run on `batch` (the first training
         batch; nothing checked without one)."""
         if batch is not None:
-            check_policy_kept(cfg, model, batch)
+            check_policy_kept(cfg, model, batch, Job.of(cfg).policy)
 
     @staticmethod
     def resume(candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,
@@ -165,7 +166,7 @@ def strategy_class(choice: StrategyChoice) -> type:
 
 def job_strategy(cfg: Any) -> type:
     """The class of the job's `scaling.strategy`."""
-    return strategy_class(strategy_named(cfg.scaling.strategy))
+    return strategy_class(Job.of(cfg).strategy)
 
 
 def make_strategy(cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Optional[Wrap] = None

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from orchestrator.config.job import Job
 from orchestrator.precision import Precision
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
@@ -139,7 +140,8 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     strategy: under DDP cast by its precision and only then wrapped by `wrap` (default: `ddp_wrap(cfg)`); under
     FSDP planned into units and sharded (`wrap` is not used)."""
     promoted = list(state.promoted) if state is not None else []
-    precision = Precision(cfg.precision, device, rank=rank, world_size=world_size, promoted=promoted)
+    precision = Precision(cfg.precision, device, rank=rank, world_size=world_size, promoted=promoted,
+                          policy=Job.of(cfg).policy)
     strategy = make_strategy(cfg, device, rank, world_size, wrap)
     model = build_model(cfg.model)
     if state is not None:
