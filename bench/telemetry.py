@@ -29,6 +29,11 @@ The step watchdog (`failure.step_timeout_s`) is measured the same way, on preset
 with the watchdog hook (its thread started, a timestamp stored at each step's end), `unwatched` the same loop with
 `failure.step_timeout_s: null`; and the timestamp alone (the hook's `after_step`, 1,000 calls).
 
+The accounting of a step's time (`time/*`, `orchestrator.train.clock.WindowClock`) is measured the same way, on
+preset O1: `accounted` is the loop step as it runs (timed by the clock: on the host on a CPU, between two CUDA
+events on a GPU; its batch taken through the clock's timed iterator; the clock read at each report), `unaccounted`
+the same loop with a clock that times nothing. Target: at most 1% (`accounting_step_time` <= 1.01).
+
 MLflow is measured separately: in ampflow the workers never talk to MLflow. Reports travel to the
 driver, where `orchestrator.tracking.writer.MlflowWriter` logs them from its own thread, off the
 training loop. The harness times that writer (`enqueue` + `_flush`, one `log_batch` per report)
@@ -36,6 +41,7 @@ against a real local SQLite store, per report and amortised per training step. `
 skips that part (machines without mlflow/ray).
 """
 
+import contextlib
 import itertools
 import sys
 import tempfile
@@ -51,6 +57,8 @@ from orchestrator.common.report import Report
 
 HARNESS = "telemetry"
 TARGET = "<= 1.02"
+ACCOUNTING_TARGET = "<= 1.01"
+"""The accounting of a step's time (`time/*`) adds at most 1% to a step."""
 
 
 def time_mlflow_writer(reports: list, repeats: int) -> dict[str, float]:
@@ -167,6 +175,50 @@ def time_watchdog(device, model_name: str, batch: int, batches: list, *, warmup:
         unwatched.close()
     times["tick"] = [t / 1000 for t in times["tick"]]
     return times
+
+
+class Unaccounted:
+    """A stand-in for the loop's `WindowClock` that times nothing (never used by training): the loop's step
+    without the accounting of its time."""
+
+    def step(self):
+        return contextlib.nullcontext()
+
+
+def time_accounting(device, model_name: str, batch: int, batches: list, *, warmup: int, repeats: int,
+                    steps: int, log_every: int) -> dict[str, list[float]]:
+    """Seconds per loop step on preset O1 with the accounting of its time (`accounted`: the step timed by the
+    loop's `WindowClock`, on CUDA between two events on the stream, its batch taken through the clock's timed
+    iterator, the clock read every `log_every` steps) and without it (`unaccounted`), interleaved round by
+    round."""
+    def stepper():
+        return common.LoopStepper(common.job_config({
+            "model": {"name": model_name}, "data": {"name": "synthetic"}, "precision": {"preset": "O1"},
+            "run": {"batch_size": batch}, "tracking": {"system_metrics_interval_s": 0}}), device)
+
+    accounted, unaccounted = stepper(), stepper()
+    unaccounted.training.prepared.raw.load_state_dict(accounted.training.prepared.raw.state_dict())
+    unaccounted.loop.clock = Unaccounted()
+    clock = accounted.loop.clock
+    timed, plain = clock.batches(itertools.cycle(batches)), itertools.cycle(batches)
+
+    def accounted_step() -> None:
+        accounted.step(*next(timed))
+        if accounted.loop.global_step % log_every == 0:
+            accounted.training.precision.settle()  # as before a report: the window's read waits for the device
+            clock.read()
+
+    def unaccounted_step() -> None:
+        unaccounted.step(*next(plain))
+        if unaccounted.loop.global_step % log_every == 0:
+            unaccounted.training.precision.settle()
+
+    try:
+        return common.interleaved({"accounted": accounted_step, "unaccounted": unaccounted_step},
+                                  warmup=warmup, repeats=repeats, steps=steps, sync=common.synchronize(device))
+    finally:
+        accounted.close()
+        unaccounted.close()
 
 
 def poison(grad: torch.Tensor) -> None:
@@ -316,6 +368,17 @@ def main(argv=None) -> int:
                     "unwatched_ms_per_step": watch_med["unwatched"] * 1e3,
                     "watched_spread": common.spread(watch_times["watched"]),
                     "unwatched_spread": common.spread(watch_times["unwatched"])})
+    account_times = time_accounting(device, model_name, batch, batches, warmup=warmup, repeats=repeats,
+                                    steps=steps, log_every=args.log_every)
+    account_med = {name: common.median(values) for name, values in account_times.items()}
+    print("accounting of a step's time (time/*, preset O1, the loop step with and without it):")
+    common.print_table(["candidate", "ms/step", "spread"], [[name, account_med[name] * 1e3,
+                                                             f"{common.spread(values) * 100:.1f}%"]
+                                                            for name, values in account_times.items()])
+    figures.update({"accounted_ms_per_step": account_med["accounted"] * 1e3,
+                    "unaccounted_ms_per_step": account_med["unaccounted"] * 1e3,
+                    "accounted_spread": common.spread(account_times["accounted"]),
+                    "unaccounted_spread": common.spread(account_times["unaccounted"])})
     print(f"system metrics: {samples_taken} samples during the run; one sample takes {sample_ms:.3g} ms on the "
           f"sampler's thread (every 10 s by default: {sample_ms / 100:.2g}% of one core)")
     if not args.no_mlflow:
@@ -332,8 +395,9 @@ def main(argv=None) -> int:
                 "smoke": args.smoke},
         figures=figures, ratios={"telemetry_step_time": med["full"] / med["none"],
                                  "grad_check_step_time": check_med["checked"] / check_med["unchecked"],
-                                 "watchdog_step_time": watch_med["watched"] / watch_med["unwatched"]},
-        targets={"telemetry_step_time": TARGET}, json_path=args.json)
+                                 "watchdog_step_time": watch_med["watched"] / watch_med["unwatched"],
+                                 "accounting_step_time": account_med["accounted"] / account_med["unaccounted"]},
+        targets={"telemetry_step_time": TARGET, "accounting_step_time": ACCOUNTING_TARGET}, json_path=args.json)
     return 0
 
 

@@ -85,7 +85,8 @@ def test_startup_harness(tmp_path):
 @pytest.mark.slow  # trains in processes of its own (the harnesses)
 def test_telemetry_harness_with_mlflow(tmp_path):
     done, record = run_harness("telemetry", tmp_path)
-    check_record(done, record, "telemetry", {"telemetry_step_time", "grad_check_step_time", "watchdog_step_time"})
+    check_record(done, record, "telemetry", {"telemetry_step_time", "grad_check_step_time", "watchdog_step_time",
+                                             "accounting_step_time"})
     assert math.isfinite(record["figures"]["grad_check_alone_ms"])
     assert math.isfinite(record["figures"]["mlflow_ms_per_report"])
 

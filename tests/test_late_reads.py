@@ -6,6 +6,7 @@ On the CPU a copy to the host is complete at once; these tests make it look in f
 host runs ahead of the device) so that the flags are only read where the product reads late values."""
 
 import contextlib
+import time
 from typing import Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.step import Step, accumulated_step
 from orchestrator.train.batch import Batch
+from orchestrator.train.clock import WindowClock
 from orchestrator.train.training import build_training
 
 CPU = torch.device("cpu")
@@ -231,3 +233,41 @@ def test_steady_state_steps_make_no_cuda_sync_but_gradscaler_s_own(write_job, pr
     training.precision.settle()
     assert training.precision.guard.metrics()["amp/skipped_steps"] <= 1.0  # fp16 may skip its first steps once
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_accounting_of_a_steps_time_makes_no_cuda_sync_and_its_parts_add_up(write_job):
+    """The loop's `WindowClock` times each step between two CUDA events and each wait for a batch on the host:
+    under `set_sync_debug_mode("warn")` steady-state steps timed by it make no synchronizing call (fused
+    optimizer, O1), and once the device has caught up its parts add up to the window's wall time."""
+    import warnings
+
+    cfg = load_job(write_job(small_job(precision={"preset": "O1"}, scaling={"num_workers": 1},
+                                       optim={"implementation": "fused"})))
+    device = torch.device("cuda")
+    training = build_training(cfg, device, total_steps=20)
+    inputs, targets = torch.randn(32, 3, 32, 32, device=device), torch.randint(0, 10, (32,), device=device)
+    clock = WindowClock(device)
+    batches = clock.batches([Batch.pair(inputs, targets)] * 7)
+    for number in (1, 2):  # the audited first step and the warm-up
+        with clock.step():
+            accumulated_step(training, Step(number, 0, number - 1, [next(batches)]), device)
+    training.precision.settle()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for number, batch in enumerate(batches, start=3):
+                with clock.step():
+                    accumulated_step(training, Step(number, 0, number - 1, [batch]), device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    training.precision.settle()
+    torch.cuda.synchronize()
+    began = clock.opened
+    parts = clock.read()
+    assert sum(parts.values()) == pytest.approx(time.perf_counter() - began, rel=0.05)
+    assert parts["time/compute_s"] > 0

@@ -5,7 +5,9 @@ import glob
 import math
 from typing import Any, Optional
 
-from orchestrator.precision.float8 import FLOAT8, native, unavailable
+import torch
+
+from orchestrator.precision.float8 import FLOAT8, import_error, native, unavailable
 from orchestrator.autotune.devices import BYTES, TARGETS, modelled_time
 from orchestrator.autotune.probe import Probe
 from orchestrator.autotune.search import FP32, Option, by_layer, cost, predicted_error
@@ -46,13 +48,22 @@ def _refused_before_measuring(layer, dtype: str, target: Optional[str], probe: P
         return None
     if layer.type != "Linear":
         return "float8 applies to Linear layers"
-    reason = unavailable()
+    reason = float8_missing(probe.device, emulate_float8)
     if reason is not None:
         return reason
     if not native(probe.device) and not emulate_float8:
         return (f"this {probe.device.type} has no float8 matmuls; tune.emulate_float8=true measures float8's errors "
                 "emulated")
     return None
+
+
+def float8_missing(device: torch.device, emulate_float8: bool) -> Optional[str]:
+    """Why float8 can be tried on no layer here: torchao not installed, or, where float8 would be probed (a device
+    with float8 matmuls, or `tune.emulate_float8`), installed but failing to import; None when nothing is missing."""
+    reason = unavailable()
+    if reason is None and (emulate_float8 or native(device)):
+        reason = import_error()
+    return reason
 
 
 def precision_section(assignment: dict[str, str]) -> dict[str, Any]:

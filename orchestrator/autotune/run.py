@@ -11,13 +11,16 @@ import yaml
 from omegaconf import OmegaConf
 
 from orchestrator.config.loader import parse_overrides
+from orchestrator.config.schema import TuneSection
 from orchestrator.config.yamlsafe import load_yaml_mapping
+from orchestrator.errors import BadInput
+from orchestrator.precision.float8 import FLOAT8
 from orchestrator.train import task
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.models import build_model
 from orchestrator.train.rng import seed_everything
 from orchestrator.autotune.check import FP32, Validation, compare, losses
-from orchestrator.autotune.plan import options, precision_section, predictions, sensitivity_table
+from orchestrator.autotune.plan import float8_missing, options, precision_section, predictions, sensitivity_table
 from orchestrator.autotune.probe import Probe
 from orchestrator.autotune.search import by_layer, choose, one_up, riskiest
 
@@ -63,9 +66,33 @@ def job_batches(cfg, device: torch.device, count: int) -> list:
     return batches
 
 
+def tune_device() -> torch.device:
+    """The device a tune probes and validates on: this machine's GPU, else its CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def refuse_unavailable_float8(cfg, source: str) -> None:
+    """Before any work: BadInput (exit 2, naming the key) when the job asks for float8 and it cannot be tried here
+    (torchao not installed, or failing to import where float8 would be probed): `tune.emulate_float8: true`, or
+    float8 in a `tune.candidates` the job sets. The default candidates try float8 where it can run: without it
+    the tune goes on, and its summary says why float8 was not tried."""
+    settings = cfg.tune
+    if FLOAT8 not in settings.candidates:
+        return
+    reason = float8_missing(tune_device(), settings.emulate_float8)
+    if reason is None:
+        return
+    if settings.emulate_float8:
+        raise BadInput(f"{source}: tune.emulate_float8: float8 cannot be probed: {reason}. Otherwise set "
+                       "tune.emulate_float8=false and leave float8 out of tune.candidates.")
+    if list(settings.candidates) != TuneSection().candidates:
+        raise BadInput(f"{source}: tune.candidates: float8 cannot be tried: {reason}. Otherwise leave float8 out of "
+                       "tune.candidates (e.g. tune.candidates=[float16,bfloat16]).")
+
+
 def tune(cfg, say: Callable[[str], None] = print) -> Tune:
     """Tune `cfg`'s precision (its `tune` section) on this machine's device."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = tune_device()
     settings = cfg.tune
     batches = job_batches(cfg, device, max(settings.batches, settings.validate_steps))
     seed_everything(cfg.run.seed)

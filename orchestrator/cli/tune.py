@@ -2,11 +2,16 @@
 per-layer precision policy that keeps the model's numbers, and write it as a job that `submit` takes as it is
 (the tuner itself: `orchestrator.autotune`).
 
-Exit codes: 0 written; 1 no policy passed the validation (nothing written); 2 bad input.
+Exit codes: 0 written; 1 no policy passed the validation (nothing written), or the tune's MLflow run could not be
+logged; 2 bad input, refused before any work: the job, `--output` (a file that can be written; the job file itself
+only with `--force`), float8 asked for where it cannot run, MLflow unreachable unless `tracking.required: false`.
 """
 
 import argparse
+import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -14,8 +19,8 @@ from orchestrator import console
 from orchestrator.cli.program import prog, refused
 from orchestrator.config.loader import load_job
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput, command_exit
-from orchestrator.tracking.secrets import install_console_redaction
-from orchestrator.tracking.tracker import quick_http_failures, resolve_uri
+from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.tracker import TrackingUnavailable, quick_http_failures, reach, resolve_uri
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -26,16 +31,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "(the job's `tune` section: target, tolerance, candidates, batches, validate_steps) and write it as a job.")
     parser.add_argument("job", type=Path, help="the job file (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as submit takes them (tune.target=h100)")
-    parser.add_argument("--output", "-o", type=Path, required=True, help="where to write the tuned job file")
+    parser.add_argument("--output", "-o", type=Path, required=True,
+                        help="where to write the tuned job file (not a directory; checked before the tune starts)")
+    parser.add_argument("--force", action="store_true",
+                        help="let --output be the job file itself: the tuned job replaces it")
     console.add_arguments(parser)
     args = parser.parse_args(argv)
     console.from_args(args)
 
     from orchestrator.autotune.record import log_tune
-    from orchestrator.autotune.run import ValidationFailed, tune, tuned_job
+    from orchestrator.autotune.run import ValidationFailed, refuse_unavailable_float8, tune, tuned_job
 
-    try:
+    try:  # every refusal before the work: the job, --output, float8, the tracking store
         cfg = load_job(args.job, args.overrides)
+        check_output(args.output, args.job, args.force)
+        refuse_unavailable_float8(cfg, str(args.job))
+        uri = tracking_store(cfg)
         result = tune(cfg, say=console.logger.info)
     except BadInput as exc:
         return refused(exc)
@@ -45,12 +56,66 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     header = (f"# Written by `ampflow tune {args.job}` ({cfg.tune.target or result.device}, tolerance "
               f"{cfg.tune.tolerance:g}): {len(result.lowered)} layer(s) lowered.\n")
     text = header + tuned_job(args.job, args.overrides, result.precision)
-    args.output.write_text(text)
-    uri = resolve_uri(cfg.tracking.uri, Path.cwd())
-    run_id, hint = log_tune(uri, cfg, args.job, result, text)
+    try:
+        args.output.write_text(text)
+    except OSError as exc:  # checked before the tune; gone since (a full disk, a directory removed)
+        print(f"error: could not write --output {args.output} ({exc.strerror or exc}); nothing is written: "
+              "run the tune again with another --output.", file=sys.stderr)
+        return EXIT_FAILED
     print(summary(result, cfg), file=sys.stderr)
-    print(f"wrote {args.output}\nTune run: {run_id}\nView it:  {hint}")
+    print(f"wrote {args.output}")
+    if uri is None:
+        return EXIT_OK
+    try:
+        run_id, hint = log_tune(uri, cfg, args.job, result, text)
+    except Exception as exc:  # answered at the start, not now: one line, not MLflow's traceback
+        detail = (str(exc).splitlines() or [""])[0]
+        print(f"{'error' if cfg.tracking.required else 'warning'}: the tuned job is written to {args.output}, but "
+              f"its MLflow run could not be logged at {redact(uri)} ({type(exc).__name__}: {redact(detail)[:300]}).",
+              file=sys.stderr)
+        return EXIT_FAILED if cfg.tracking.required else EXIT_OK
+    print(f"Tune run: {run_id}\nView it:  {hint}")
     return EXIT_OK
+
+
+def check_output(output: Path, job: Path, force: bool) -> None:
+    """`--output` before any work: a file (not a directory) that can be written, in a directory that exists and
+    can be written, and not the job file itself unless `--force`. BadInput naming `--output` otherwise."""
+    if output.is_dir():
+        raise BadInput(f"--output {output}: is a directory; give the file to write, e.g. "
+                       f"--output {output / 'tuned.yaml'}.")
+    directory = output.parent
+    if not directory.is_dir():
+        raise BadInput(f"--output {output}: the directory {directory} does not exist; create it or write elsewhere.")
+    if output.exists():
+        if os.path.samefile(output, job) and not force:
+            raise BadInput(f"--output {output} is the job file {job}: the tuned job would replace it. Write it "
+                           "elsewhere, or add --force to replace the job file.")
+        try:
+            open(output, "a").close()  # opened for writing, nothing written
+        except OSError as exc:
+            raise BadInput(f"--output {output}: cannot be written ({exc.strerror or exc}); write elsewhere.") from None
+        return
+    try:
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".ampflow-tune-").close()  # created, then removed
+    except OSError as exc:
+        raise BadInput(f"--output {output}: cannot write in the directory {directory} ({exc.strerror or exc}); "
+                       "write elsewhere.") from None
+
+
+def tracking_store(cfg) -> Optional[str]:
+    """The tracking store the tune's run goes to, once it answers; TrackingUnavailable (exit 2) when it does not,
+    or, under `tracking.required: false`, None after saying once that the tune goes on without its MLflow run."""
+    uri = resolve_uri(cfg.tracking.uri, Path.cwd())
+    try:
+        reach(uri, cfg.tracking.experiment, "to tune anyway (the tuned job is written, without its MLflow run)")
+    except TrackingUnavailable:
+        if cfg.tracking.required:
+            raise
+        print(f"warning: MLflow at {redact(uri)} cannot be reached; tuning anyway (tracking.required: false): the "
+              "tuned job is written, without its MLflow run.", file=sys.stderr)
+        return None
+    return uri
 
 
 def summary(result, cfg) -> str:
@@ -68,6 +133,7 @@ def summary(result, cfg) -> str:
     refused = sorted({r["layer"] for r in result.table if r["refused"] and r["refused"].startswith("no fp16")})
     if refused:
         lines.append(f"  never fp16 (no headroom): {', '.join(refused)}")
+    lines.extend(not_tried(result.table))
     p = result.predicted
     lines.append(f"predicted: {p['predicted_speedup']:.2f}x the fp32 speed of the tuned layers, activations "
                  f"{p['predicted_activation_bytes_ratio']:.2f}x and parameters (fp32 masters included) "
@@ -78,6 +144,22 @@ def summary(result, cfg) -> str:
         lines.append(f"validation: loss {last.gap:.2e} from fp32's over {len(last.policy_losses)} steps "
                      f"(tolerance {cfg.tune.tolerance:g}), {len(result.validations)} round(s)")
     return "\n".join(lines)
+
+
+def not_tried(table) -> list[str]:
+    """For each candidate dtype refused on every layer before it was measured (float8 without torchao, off Linear
+    layers, without float8 matmuls; a dtype the target lacks): why, layer by layer."""
+    lines = []
+    for dtype in dict.fromkeys(row["dtype"] for row in table if row["dtype"] != "float32"):
+        rows = [row for row in table if row["dtype"] == dtype]
+        if not all(row["refused"] and math.isnan(row["output_error"]) for row in rows):
+            continue
+        why: dict[str, list[str]] = {}
+        for row in rows:
+            why.setdefault(row["refused"], []).append(row["layer"])
+        lines.append(f"  {dtype} not tried on any layer:")
+        lines.extend(f"    {', '.join(layers)}: {reason}" for reason, layers in why.items())
+    return lines
 
 
 if __name__ == "__main__":

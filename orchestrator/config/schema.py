@@ -323,6 +323,10 @@ class PerfSection:
     """torch.compile backend (`inductor`; `aot_eager` or `eager` to debug)."""
     compile_mode: Optional[str] = None
     """torch.compile mode (`default`, `reduce-overhead`, `max-autotune`); null is torch's default."""
+    peak_tflops: Optional[float] = None
+    """The peak dense TFLOP/s of one device for the run's dtypes, which `perf/mfu` divides by. null: ampflow's
+    table of peaks (H100, H200, A100, L4, L40S by fp8/bf16/fp16/tf32/fp32; docs/telemetry.md); on a device not in
+    it, and on a CPU, `perf/mfu` is not logged unless this is set."""
     keep_freed_memory: bool = True
     """Ray Train workers (and the Ray-free loop's ranks) start with glibc malloc keeping freed memory
     (`MALLOC_MMAP_THRESHOLD_` 32 MiB, `MALLOC_TRIM_THRESHOLD_` 4 GiB, unless the driver's environment sets them):

@@ -88,6 +88,9 @@ def validate(cfg: DictConfig, source: str) -> None:
     _check_strategy(cfg, r)
     r(cfg.ddp.bucket_cap_mb > 0, "ddp.bucket_cap_mb", f"must be > 0 MiB, got {cfg.ddp.bucket_cap_mb}.")
     r(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", f"unknown hook '{cfg.ddp.comm_hook}'. Use one of {', '.join(COMM_HOOKS)}.")
+    peak = cfg.perf.peak_tflops
+    r(peak is None or (math.isfinite(peak) and peak > 0), "perf.peak_tflops",
+      f"must be a device's peak TFLOP/s, a finite number > 0 (an H100 SXM's bf16: 989.4), got {peak}.")
     r(cfg.perf.compile_backend in COMPILE_BACKENDS, "perf.compile_backend",
       f"unknown backend '{cfg.perf.compile_backend}'. Use one of {', '.join(COMPILE_BACKENDS)}.")
 

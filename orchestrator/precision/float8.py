@@ -5,6 +5,8 @@ cast to float8 with dynamic scales, tensorwise or rowwise), on GPUs with float8 
 in float8 (torchao's float8 all-gather).
 """
 
+import functools
+import importlib
 import importlib.util
 from typing import Optional
 
@@ -25,6 +27,19 @@ def unavailable(device: Optional[torch.device] = None) -> Optional[str]:
         if capability < (8, 9):
             return (f"float8 rules need a GPU with float8 tensor cores (compute capability 8.9+: H100, L4, L40S); "
                     f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}. Use bfloat16 there.")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def import_error() -> Optional[str]:
+    """Why torchao, found installed (`unavailable` says None), fails to import (a build for another torch, a
+    missing piece), or None. Importing it takes seconds: asked only where float8 is about to run."""
+    try:
+        importlib.import_module("torchao.float8")
+    except Exception as exc:  # its first line: one line to the console
+        first = (str(exc).splitlines() or [""])[0]
+        return (f"float8 needs torchao, which is installed but fails to import ({type(exc).__name__}: {first}); "
+                f"reinstall it: {INSTALL}")
     return None
 
 

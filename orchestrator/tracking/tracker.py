@@ -115,6 +115,23 @@ def _sqlite_store_lock(uri: str):
         os.close(handle)  # releases the lock
 
 
+def reach(uri: str, experiment: str, anyway: str):
+    """The store at `uri` answering one query: (its client, the experiment named `experiment`, or None where there
+    is none yet); the first use of a local store creates its tables. TrackingUnavailable (exit 2) when it does not
+    answer; `anyway`: what `tracking.required: false` does instead, as the message tells."""
+    from mlflow import MlflowClient
+
+    try:
+        with _sqlite_store_lock(uri):
+            client = MlflowClient(tracking_uri=uri)
+            return client, client.get_experiment_by_name(experiment)
+    except Exception as exc:
+        raise TrackingUnavailable(
+            f"tracking: MLflow at {redact(uri)} cannot be reached ({type(exc).__name__}: {redact(str(exc))[:300]}). "
+            f"Start the tracking server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.required: false "
+            f"{anyway}.") from None
+
+
 def _create_experiment(client, name: str) -> str:
     """Create experiment `name`; when another submit created it a moment ago (MLflow refuses a second one with
     the same name), use that one."""
@@ -159,18 +176,9 @@ class RunTracker:
     @classmethod
     def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
               params: dict[str, str], config_yaml: str) -> "RunTracker":
-        from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        try:
-            with _sqlite_store_lock(uri):  # the first use creates the store's tables
-                client = MlflowClient(tracking_uri=uri)
-                experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-        except Exception as exc:
-            raise TrackingUnavailable(
-                f"tracking: MLflow at {redact(uri)} cannot be reached ({type(exc).__name__}: {redact(str(exc))[:300]}). "
-                "Start the tracking server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.required: false "
-                "to train anyway and log once it is back.") from None
+        client, experiment = reach(uri, cfg.tracking.experiment, "to train anyway and log once it is back")
         experiment_id = experiment.experiment_id if experiment is not None else \
             _create_experiment(client, cfg.tracking.experiment)
         run = client.create_run(experiment_id, run_name=run_name, tags=redact_all(tags))

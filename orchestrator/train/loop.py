@@ -28,6 +28,7 @@ from orchestrator.precision import NothingTrained
 from orchestrator.train import rng
 from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
+from orchestrator.train.clock import WindowClock
 from orchestrator.train.checkpoint import Candidate, NonFiniteState, dir_name, remove_stale_staging
 from orchestrator.train.collectives import all_agree, all_gather, all_reduce
 from orchestrator.train.data import build_rank_loaders
@@ -41,6 +42,7 @@ from orchestrator.train.hooks.outbox import ReplayOutbox
 from orchestrator.train.hooks.scale import LossScaleTelemetry
 from orchestrator.train.hooks.system import SystemMetrics
 from orchestrator.train.hooks.param_groups import ParamGroupTable
+from orchestrator.train.hooks.throughput import Throughput
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.common.report import Report, checkpoint_score
@@ -117,12 +119,14 @@ class TrainingLoop:
         state, self.resume_warnings, self.training = resume(cfg, session.checkpoints(), self.rank, self.world_size,
                                                             self.device, self.build_resumed)
         self.window = Window(self.device)
+        self.clock = WindowClock(self.device)
         stopping = cfg.run.early_stopping
         self.stopping = EarlyStopping(stopping, state.early_stopping if state else None) if stopping else None
         self.outbox = ReplayOutbox(session, self.rank, self.device)
         self.hooks = Hooks([
             Watchdog(cfg.failure.step_timeout_s),  # first: it is set up first and stopped first
             *([PreemptionCheck()] if cfg.failure.preemption_grace_s is not None else []),
+            Throughput(cfg.perf.peak_tflops),  # early: its FLOP counter wraps no other hook's work of step 1
             SystemMetrics(cfg.tracking.system_metrics_interval_s), TimeToFirstStep(launched_at), PolicyAudit(),
             MemoryReport(), LossScaleTelemetry(), CollapseRecovery(cfg.precision.scaler.on_collapse),
             ParamGroupTable(fresh=state is None),
@@ -157,11 +161,12 @@ class TrainingLoop:
 
     def train(self) -> None:
         cfg = self.cfg
+        self.clock.reset()  # the first window's time starts with training
         for epoch in range(self.start_epoch, cfg.run.epochs):
             first = self.start_batches if epoch == self.start_epoch else 0
             micro_batches = self.layout.micro_batches  # run.accumulate_steps; elastic: as the world size has it
             self.position.set_position(epoch, first * micro_batches, cfg.run.batch_size)
-            groups = in_groups(self.train_loader, micro_batches)
+            groups = self.clock.batches(in_groups(self.train_loader, micro_batches))
             for index, batches in zip(range(first, self.steps_per_epoch), groups):
                 self.global_step += 1
                 log_due = self.global_step % cfg.tracking.log_every_n_steps == 0
@@ -205,7 +210,8 @@ class TrainingLoop:
         read on the host when they have arrived (on the CPU at once), or before the next step's update; `settle`:
         now, waiting for them (a report or the epoch's end follows). The schedule steps as they are read."""
         self.hooks.call("before_step", self, step)
-        accumulated_step(self.training, step, self.device, lambda s: self.hooks.call("after_backward", self, s))
+        with self.clock.step():
+            accumulated_step(self.training, step, self.device, lambda s: self.hooks.call("after_backward", self, s))
         for batch in step.batches:
             self.input_example.observe(batch)
         outcome = step.outcome
@@ -252,14 +258,21 @@ class TrainingLoop:
     def evaluation(self) -> dict[str, float]:
         """`eval/*` over every rank's shard of the eval set; its time is left out of `perf/samples_per_s`."""
         began = time.perf_counter()
-        metrics = evaluate(self.training, self.eval_loader, self.device)
+        with self.clock.part("eval"):
+            metrics = evaluate(self.training, self.eval_loader, self.device)
         self.window.exclude_since(began)
         return metrics
 
     def read_window(self, only_counted: bool = False) -> dict[str, float]:
-        """The loss window, reduced over all ranks and reset (each step's loss was checked at its step);
-        `only_counted`: nothing when no step since the last read had a finite loss."""
-        return self.window.read(only_counted)
+        """The loss window, reduced over all ranks and reset (each step's loss was checked at its step), and where
+        its wall time went (`time/*`, `orchestrator.train.clock`); `only_counted`: no loss and no throughput when no
+        step since the last read had a finite loss."""
+        with self.clock.part("comm"):
+            metrics = self.window.read(only_counted)
+        times = self.clock.read()
+        if "perf/samples_per_s" in metrics:  # every second of the window counted, checkpoints and evaluation too
+            metrics["perf/samples_per_s_wall"] = self.window.read_samples / max(sum(times.values()), 1e-9)
+        return {**metrics, **times}
 
     # -- reports and checkpoints --------------------------------------------------------------------
 
@@ -270,6 +283,11 @@ class TrainingLoop:
                                "system/world_size": float(self.world_size)})
 
     def send(self, report: Report, checkpoint_at: Optional[tuple[int, int]] = None) -> None:
+        """`hand_over`, its time counted as the checkpoint's when there is one, else as the report's exchange."""
+        with self.clock.part("checkpoint" if checkpoint_at is not None else "comm"):
+            self.hand_over(report, checkpoint_at)
+
+    def hand_over(self, report: Report, checkpoint_at: Optional[tuple[int, int]] = None) -> None:
         """Number the report, let every hook add to it, and hand it over; with `checkpoint_at=(epoch,
         batches_done)` every rank also stages and hands over its part of a checkpoint, once every rank found its
         state finite: else the report goes alone and NonFiniteState is raised on every rank. The time it takes

@@ -25,6 +25,8 @@ class Window:
         self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.grad_norm_steps = torch.zeros((), dtype=torch.float64, device=self.device)
         self.started = time.perf_counter()
+        self.read_samples = 0.0
+        """The samples of every rank counted at the last read (`perf/samples_per_s` x its seconds)."""
 
     def exclude_since(self, since: float) -> None:
         """Leave the time from `since` until now (reporting, evaluation, checkpointing) out of the throughput."""
@@ -77,6 +79,7 @@ class Window:
         values = torch.stack([self.loss_sum, self.counted, self.grad_norm_sum, self.grad_norm_steps]).tolist()
         loss_sum, samples, norm_sum, norm_steps = all_reduce(values, self.device)
         self.reset()
+        self.read_samples = samples
         if only_counted and not samples:
             return {}
         metrics = {"perf/samples_per_s": samples / max(elapsed, 1e-9)}
