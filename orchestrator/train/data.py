@@ -364,7 +364,7 @@ def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device) ->
     workers = Job.of(cfg).workers
     elastic = Elastic(cfg.run.accumulate_steps, workers.max) if workers.elastic else None
     shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed, elastic=elastic)
-    if cuda_defaults.loader(cfg, (train_set, eval_set), device) == "device":  # on the device: batches are slices, no copies
+    if cuda_defaults.loader(cfg, (train_set, eval_set), device) == "device":  # batches are slices there: no copies
         train, evaluation, position = build_device_loaders(train_set, eval_set, augment=cfg.data.augment,
                                                            device=device, **shard)
     else:
