@@ -269,6 +269,9 @@ class FsdpSection:
 
 @dataclass
 class ScalingSection:
+    # An int >= 1 or [min, max]: declared Any and checked when the job is loaded (`config.workers.problem`), then
+    # built once (`config.job.Job.workers`). Typed as a union, OmegaConf would refuse a wrong value at the merge with
+    # its own type message instead of the one that names both forms.
     num_workers: Any = 2
     """Ray Train workers (DDP ranks): a number, or an elastic range `[min, max]`: the run starts with as many as
     the cluster has room for (at least min), shrinks when a node goes and grows when one joins, each time going on
