@@ -133,7 +133,7 @@ class TimingSession:
         self.first_step_s = None
 
     def report(self, wire, checkpoint=None, checkpoint_name=None) -> None:
-        metrics = wire["metrics"]  # the report's wire form (`orchestrator.train.report.Report.to_wire`)
+        metrics = wire["metrics"]  # the report's wire form (`orchestrator.common.report.Report.to_wire`)
         if "train/loss" in metrics:  # a window of `log_every` steps ended
             self.marks.append(time.perf_counter())
         self.first_step_s = metrics.get("perf/time_to_first_step_s", self.first_step_s)

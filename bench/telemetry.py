@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import common
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 HARNESS = "telemetry"
 TARGET = "<= 1.02"
@@ -88,8 +88,8 @@ def time_mlflow_writer(reports: list, repeats: int) -> dict[str, float]:
 def without_grad_check(guard) -> None:
     """Make `guard` (a GuardedScaler without a scaler) step without the per-step flags: clip, step, count, as a
     loop that trusts its gradients would. The baseline of the gradient check's cost, for this harness only."""
-    from orchestrator.precision.outcome import StepOutcome
-    from orchestrator.precision.scaling import clip
+    from orchestrator.precision.step_outcome import StepOutcome
+    from orchestrator.precision.guarded_step import clip
 
     assert not guard.scaler.is_enabled()
 
@@ -107,7 +107,7 @@ def without_grad_check(guard) -> None:
 def check_alone(guard, optimizer, loss: torch.Tensor) -> None:
     """The gradient check as the guard makes it, on the latest gradients: GradScaler's non-finite kernel with a
     scale of 1, the loss's isfinite, the flags copied to the host and read (one host read here)."""
-    from orchestrator.precision.outcome import HostCopy
+    from orchestrator.precision.step_outcome import HostCopy
 
     skipper = guard.skipper
     skipper.scale_tensor(loss.device)
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     med = {name: common.median(values) for name, values in times.items()}
 
     # Overflow attribution only runs on a skipped step: time it apart, on a real gradient with one inf.
-    from orchestrator.precision.scaling import first_nonfinite
+    from orchestrator.precision.guarded_step import first_nonfinite
 
     grads = [t.grad for _, t in training.precision.named_tensors if t.grad is not None]
     attribution_ms = float("nan")

@@ -25,7 +25,7 @@ from typing import Any
 from bench import common
 from orchestrator.precision.fsdp import broken_fsdp_promises
 from orchestrator.precision.policy import broken_promises
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 HARNESS = "visit_quickstart"
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml"
@@ -34,7 +34,7 @@ SCALE_KEYS = ("amp/loss_scale", "amp/skipped_steps", "amp/consecutive_skips", "a
 
 
 def report_parts(report: Report) -> tuple[dict[str, float], dict[str, Any], dict[str, str]]:
-    """(metrics, tables, tags) of one report of the loop (`orchestrator.train.report.Report`), with its overflow
+    """(metrics, tables, tags) of one report of the loop (`orchestrator.common.report.Report`), with its overflow
     records as the `amp/overflow_log` table, as the driver logs them."""
     tables = dict(report.tables)
     if report.overflow_records:

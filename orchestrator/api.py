@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator.config import load_job
 from orchestrator.errors import BadInput
 from orchestrator.runner import driver
-from orchestrator.runner.outcome import RunResult
+from orchestrator.runner.plan import RunResult
 from orchestrator.runner.preflight import preflight
 from orchestrator.runner.remote import is_job_server_address
 

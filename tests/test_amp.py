@@ -6,7 +6,7 @@ from torch import nn
 
 from orchestrator.config.schema import PrecisionSection, ScalerGuardSection
 from orchestrator.precision import AmpSettings, GuardedScaler, NonFiniteGradients, NonFiniteLoss, autocast_context
-from orchestrator.precision.scaling import first_nonfinite
+from orchestrator.precision.guarded_step import first_nonfinite
 
 CPU = torch.device("cpu")
 

@@ -208,7 +208,7 @@ def test_reports_kept_for_replay_load_with_the_checkpoint(tmp_path):
     import numpy as np
 
     from orchestrator.train.hooks.outbox import kept_for_replay
-    from orchestrator.train.report import Report
+    from orchestrator.common.report import Report
 
     overflow = [{"step": 5, "rank": 0, "event": "overflow"}]
     kept = kept_for_replay(Report(seq=3, step=6, metrics={"train/loss": np.float32(0.5)}, warnings=["x"],
@@ -226,7 +226,7 @@ def test_reports_kept_for_replay_load_with_the_checkpoint(tmp_path):
 def test_a_checkpoint_written_before_reports_were_typed_loads_its_reports_converted(tmp_path):
     """Format 2 kept reports as flat dicts (metrics beside control keys): they load as wire-form Reports, so a
     run interrupted before an upgrade resumes and sends them again."""
-    from orchestrator.train.report import Report
+    from orchestrator.common.report import Report
 
     flat = {"seq": 3, "epoch": 1, "epochs": 2, "step": 6, "total_steps": 12, "train/loss": 0.5, "optim/lr": 0.1,
             "tags": {"resumed_from_step": "4"}, "precision/audit": [{"name": "fc"}],

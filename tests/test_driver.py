@@ -14,7 +14,7 @@ from orchestrator.errors import BadInput, Interrupted
 from orchestrator.runner import driver, ray_start, records
 from orchestrator.runner.preflight import RunChoice
 from orchestrator.config import load_job
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 from conftest import small_job
 

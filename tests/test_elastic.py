@@ -15,7 +15,8 @@ from orchestrator.config import load_job
 from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput
 from orchestrator.train.samplers import ElasticSampler
-from orchestrator.train.resume import CheckpointFacts, IncompatibleResume, Layout, check_resume
+from orchestrator.config.layout import Layout
+from orchestrator.train.resume import CheckpointFacts, IncompatibleResume, check_resume
 
 
 def job(write_job, *overrides, **sections):
@@ -201,7 +202,7 @@ def test_the_console_says_when_the_worker_group_changes_size(capsys):
     """The driver's writer, from the reports in order: a restarted attempt first sends again the report of the
     checkpoint it resumed from (the old group's size), then its own."""
     from orchestrator.tracking.writer import MlflowWriter
-    from orchestrator.train.report import Report
+    from orchestrator.common.report import Report
 
     writer = MlflowWriter(relay=None)
     sized = lambda seq, step, size, **tags: Report(seq=seq, step=step, metrics={"system/world_size": size},  # noqa

@@ -6,7 +6,7 @@ from torch import nn
 
 from conftest import small_job
 from orchestrator.config import load_job
-from orchestrator.train import fast
+from orchestrator.train import cuda_defaults
 from orchestrator.train.data import build_datasets
 from orchestrator.train.training import build_training
 
@@ -23,18 +23,18 @@ MLP = nn.Sequential(nn.Linear(4, 4))
 
 def test_channels_last_is_on_for_convolutions_on_cuda_only_and_a_key_decides(write_job):
     cfg = job(write_job)
-    assert fast.channels_last(cfg, CONV, GPU) and not fast.channels_last(cfg, MLP, GPU)
-    assert not fast.channels_last(cfg, CONV, CPU)
-    assert not fast.channels_last(job(write_job, perf={"channels_last": False}), CONV, GPU)
-    assert fast.channels_last(job(write_job, perf={"channels_last": True}), CONV, CPU)
-    assert not fast.channels_last(job(write_job, scaling={"strategy": "fsdp"}), CONV, GPU)
+    assert cuda_defaults.channels_last(cfg, CONV, GPU) and not cuda_defaults.channels_last(cfg, MLP, GPU)
+    assert not cuda_defaults.channels_last(cfg, CONV, CPU)
+    assert not cuda_defaults.channels_last(job(write_job, perf={"channels_last": False}), CONV, GPU)
+    assert cuda_defaults.channels_last(job(write_job, perf={"channels_last": True}), CONV, CPU)
+    assert not cuda_defaults.channels_last(job(write_job, scaling={"strategy": "fsdp"}), CONV, GPU)
 
 
 def test_auto_means_the_fused_optimizer_on_cuda_for_the_built_ins_under_ddp(write_job):
-    assert fast.fused_optimizer(job(write_job), GPU) and not fast.fused_optimizer(job(write_job), CPU)
+    assert cuda_defaults.fused_optimizer(job(write_job), GPU) and not cuda_defaults.fused_optimizer(job(write_job), CPU)
     for sections in ({"optim": {"implementation": "foreach"}}, {"optim": {"name": "torch.optim:RMSprop"}},
                      {"scaling": {"strategy": "fsdp"}}):
-        assert not fast.fused_optimizer(job(write_job, **sections), GPU), sections
+        assert not cuda_defaults.fused_optimizer(job(write_job, **sections), GPU), sections
 
 
 def test_on_the_cpu_the_built_training_keeps_today_s_choices(write_job):
@@ -46,27 +46,28 @@ def test_on_the_cpu_the_built_training_keeps_today_s_choices(write_job):
 
 def test_cudnn_benchmark_is_set_on_cuda_unless_turned_off(write_job, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    fast.set_cudnn_benchmark(job(write_job), CPU)
+    cuda_defaults.set_cudnn_benchmark(job(write_job), CPU)
     assert torch.backends.cudnn.benchmark is False
-    fast.set_cudnn_benchmark(job(write_job), GPU)
+    cuda_defaults.set_cudnn_benchmark(job(write_job), GPU)
     assert torch.backends.cudnn.benchmark is True
-    fast.set_cudnn_benchmark(job(write_job, perf={"cudnn_benchmark": False}), GPU)
+    cuda_defaults.set_cudnn_benchmark(job(write_job, perf={"cudnn_benchmark": False}), GPU)
     assert torch.backends.cudnn.benchmark is False
 
 
 def test_data_loader_auto_holds_tensor_datasets_on_cuda_when_they_fit(write_job, monkeypatch):
     cfg = job(write_job)
     datasets = build_datasets(cfg.data, cfg.model.num_classes)
-    size = sum(fast.tensor_bytes(dataset) for dataset in datasets)
+    size = sum(cuda_defaults.tensor_bytes(dataset) for dataset in datasets)
     assert size > 0
-    assert fast.loader(cfg, datasets, CPU) == "dataloader"
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(size / fast.DEVICE_DATA_SHARE), 0))
-    assert fast.loader(cfg, datasets, GPU) == "device"
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(size / fast.DEVICE_DATA_SHARE) - 1, 0))
-    assert fast.loader(cfg, datasets, GPU) == "dataloader"  # it would not fit
+    assert cuda_defaults.loader(cfg, datasets, CPU) == "dataloader"
+    share = cuda_defaults.DEVICE_DATA_SHARE
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(size / share), 0))
+    assert cuda_defaults.loader(cfg, datasets, GPU) == "device"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(size / share) - 1, 0))
+    assert cuda_defaults.loader(cfg, datasets, GPU) == "dataloader"  # it would not fit
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 ** 12, 0))
-    assert fast.loader(job(write_job, data={"loader": "dataloader"}), datasets, GPU) == "dataloader"
-    assert fast.loader(job(write_job, data={"loader_workers": 1}), datasets, GPU) == "dataloader"
+    assert cuda_defaults.loader(job(write_job, data={"loader": "dataloader"}), datasets, GPU) == "dataloader"
+    assert cuda_defaults.loader(job(write_job, data={"loader_workers": 1}), datasets, GPU) == "dataloader"
 
 
 @pytest.mark.cuda

@@ -15,7 +15,7 @@ from orchestrator.config.schema import PrecisionSection
 from orchestrator.errors import BadInput
 from orchestrator.precision import Precision, float8
 from orchestrator.precision.policy import broken_promises
-from orchestrator.train.lint import lint
+from orchestrator.runner.precision_lint import lint
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.models import build_model

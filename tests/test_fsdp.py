@@ -60,7 +60,7 @@ def fsdp_setup(model_cls, seed: int, rank: int, *overrides, lr: float = 0.01):
     """A model under FSDP with the preset/rules of `overrides`, its Adam, its GuardedScaler and its audit."""
     from orchestrator.precision.fsdp import FsdpSettings
     from orchestrator.precision.policy import Policy
-    from orchestrator.precision.scaling import GuardedScaler
+    from orchestrator.precision.guarded_step import GuardedScaler
     from orchestrator.train.fsdp_strategy import FsdpStrategy
 
     section = precision_section(*overrides)

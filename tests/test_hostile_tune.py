@@ -18,7 +18,7 @@ from orchestrator.cli.tune import main
 from orchestrator.config.loader import load_job
 
 PROBE_LINE = "probing "
-"""What the tune says as its probe starts (`orchestrator.tune.run.tune`): absent, no work was done."""
+"""What the tune says as its probe starts (`orchestrator.autotune.run.tune`): absent, no work was done."""
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 
 from conftest import drill, small_job
 from orchestrator.config import load_job
-from orchestrator.precision import outcome as outcome_module
+from orchestrator.precision import step_outcome
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.step import Step, accumulated_step
@@ -58,15 +58,15 @@ def counted_reads() -> Iterator[list[str]]:
 @pytest.fixture
 def copies_in_flight(monkeypatch):
     """Copies to the host look in flight until read (a GPU's: the host runs ahead of the device)."""
-    monkeypatch.setattr(outcome_module.HostCopy, "ready", lambda self: False)
-    original = outcome_module.HostCopy.__init__
+    monkeypatch.setattr(step_outcome.HostCopy, "ready", lambda self: False)
+    original = step_outcome.HostCopy.__init__
 
     def init(self, tensor):
         original(self, tensor)
         if self.host is tensor:  # on the CPU the tensor is its own copy: a buffer of its own, as pinned memory is
             self.host = tensor.clone()
         HOST_BUFFERS[id(self.host)] = self.host
-    monkeypatch.setattr(outcome_module.HostCopy, "__init__", init)
+    monkeypatch.setattr(step_outcome.HostCopy, "__init__", init)
 
 
 def build(write_job, preset: str, implementation: str = "auto", **precision):
@@ -191,7 +191,7 @@ def test_the_loop_reads_late_and_reports_exactly_what_it_reported_reading_in_the
         run={"batch_size": 8, "max_steps_per_epoch": 8}, tracking={"log_every_n_steps": 2},
         callbacks=[drill("Overflow", at_steps=[3]), drill("NanLoss", at_step=6)])))
     first, reports = reports_of(cfg, tmp_path / "now")
-    monkeypatch.setattr(outcome_module.HostCopy, "ready", lambda self: False)
+    monkeypatch.setattr(step_outcome.HostCopy, "ready", lambda self: False)
     second, late_reports = reports_of(cfg, tmp_path / "late")
     assert late_reports == reports
     assert any(metrics.get("amp/skipped_steps") == 2.0 for _, metrics in reports)

@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 from conftest import small_job
 from orchestrator.config import load_job
 from orchestrator.tracking.logged_model import ModelInputs
-from orchestrator.tracking.tracker import RunTracker, register_model, standard_tags
+from orchestrator.tracking.run_model import register_model
+from orchestrator.tracking.tracker import RunTracker, standard_tags
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ from transformers import BertConfig, BertForSequenceClassification
 from conftest import REPO
 from orchestrator.config.schema import TaskSection
 from orchestrator.errors import BadInput
-from orchestrator.train.batch import BatchLayout, plain
-from orchestrator.train.task import build_loss, build_metrics, fp32, prediction
+from orchestrator.common.values import plain, prediction
+from orchestrator.train.batch import BatchLayout
+from orchestrator.train.task import build_loss, build_metrics, fp32
 
 TINY_BERT = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                  max_position_embeddings=32)

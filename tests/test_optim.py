@@ -15,7 +15,7 @@ from conftest import drill, small_job
 from orchestrator.config import load_job
 from orchestrator.config.schema import OptimSection
 from orchestrator.errors import BadInput
-from orchestrator.train.lint import lint
+from orchestrator.runner.precision_lint import lint
 from orchestrator.config.optim import check
 from orchestrator.train import optim
 from orchestrator.train.checkpoint import read_checkpoint

@@ -9,7 +9,7 @@ from conftest import REPO
 from orchestrator.config import load_job
 from orchestrator.train.models import build_model
 from orchestrator.precision import broken_promises
-from orchestrator.train.lint import lint
+from orchestrator.runner.precision_lint import lint
 from orchestrator.train.training import build_training
 from orchestrator.train.step import train_step
 

@@ -9,7 +9,7 @@ from torch import nn
 from conftest import REPO
 from orchestrator.cli.summary import summarize
 from orchestrator.config import load_job
-from orchestrator.train.lint import lint
+from orchestrator.runner.precision_lint import lint
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.models import build_model

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.train.report import CHECKPOINT_SCORE, Report, checkpoint_score
+from orchestrator.common.report import CHECKPOINT_SCORE, Report, checkpoint_score
 
 
 def a_report() -> Report:

@@ -19,7 +19,8 @@ from orchestrator.runner.checkpoints import newest, remove_unfinished
 from orchestrator.runner.preflight import preflight
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
-from orchestrator.train.resume import IncompatibleResume, Layout, steps_per_epoch
+from orchestrator.config.layout import Layout, steps_per_epoch
+from orchestrator.train.resume import IncompatibleResume
 
 CPU = torch.device("cpu")
 RUN = "interrupted"

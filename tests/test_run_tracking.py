@@ -11,7 +11,7 @@ from orchestrator.config import load_job
 from orchestrator.runner import records
 from orchestrator.tracking.tracker import RunTracker
 from orchestrator.tracking.writer import MlflowWriter
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 
 @pytest.fixture

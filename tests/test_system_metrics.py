@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 from orchestrator.train.system import SystemSampler, start_sampler
 
 

@@ -65,7 +65,7 @@ def test_preflight_refuses_a_policy_the_model_cannot_keep_naming_the_layer(write
     from conftest import small_job
     from orchestrator.errors import BadInput
     from orchestrator.runner.preflight import check_data_fits_model
-    from orchestrator.runner.preflight_precision import check_policy_kept
+    from orchestrator.precision.kept import check_policy_kept
     from orchestrator.train.models import build_model
 
     def check(job):

@@ -3,6 +3,7 @@ the peak of a step's mix of dtypes, and `perf/tflops_per_s`, `perf/mfu` and `per
 reports (the Ray-free loop on the CPU)."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -199,3 +200,52 @@ def test_a_windows_wall_time_is_split_into_its_parts_each_where_it_was_spent(wri
     # The windows tile the training's time: all of it but what ran outside any (set-up, the epoch's end).
     accounted = sum(sum(m[f"time/{part}_s"] for part in parts) for m in windows)
     assert 0.5 * trained < accounted <= trained
+
+
+class StreamEvent:
+    """A CUDA event's stand-in for the arithmetic of `WindowClock.read` on a CPU: each `record()` takes the next
+    device time (seconds) of the timeline a test lays out."""
+
+    times: list[float] = []
+
+    def __init__(self, enable_timing: bool = False):
+        self.at = None
+
+    def record(self):
+        self.at = StreamEvent.times.pop(0)
+
+    def elapsed_time(self, later: "StreamEvent") -> float:
+        return (later.at - self.at) * 1000  # milliseconds, as CUDA's
+
+
+def test_on_a_gpu_steps_count_as_the_device_ran_them_and_data_only_as_far_as_the_device_waited(monkeypatch):
+    """A host that runs ahead: step 1's batch keeps the device idle for 1 s; step 2's batch takes the host 1.4 s
+    while the device is still busy with step 1 (no idle gap: no data time); the window's reduction waits 3 s on
+    the host, 2 of them for the device to finish step 2 (compute, not comm). The parts add up to the 6 s wall."""
+    import orchestrator.train.clock as clock_module
+
+    host = [0.0]
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=lambda: host[0]))
+    monkeypatch.setattr(torch.cuda, "Event", StreamEvent)
+    StreamEvent.times = [1.0, 3.0, 3.0, 5.0]  # step 1 runs on the device from 1 s to 3 s, step 2 from 3 s to 5 s
+    clock = clock_module.WindowClock(torch.device("cuda"))
+
+    def loader():
+        host[0] = 1.0
+        yield "batch 1"
+        host[0] = 2.5
+        yield "batch 2"
+
+    batches = clock.batches(loader())
+    next(batches)
+    with clock.step():
+        host[0] = 1.1  # the host queued step 1 and went on
+    next(batches)
+    with clock.step():
+        pass
+    with clock.part("comm"):
+        host[0] = 5.5
+    host[0] = 6.0
+    parts = clock.read()
+    assert parts == pytest.approx({"time/data_s": 1.0, "time/compute_s": 4.0, "time/comm_s": 1.0,
+                                   "time/eval_s": 0.0, "time/checkpoint_s": 0.0, "time/other_s": 0.0})

@@ -16,7 +16,7 @@ from orchestrator.config import load_job
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.local import LocalSession, spawn
 from orchestrator.train.loop import TrainingLoop
-from orchestrator.train.report import UNSCORED
+from orchestrator.common.report import UNSCORED
 from orchestrator.train.step import train_step
 from orchestrator.train.stopping import EarlyStopping
 from orchestrator.train.training import build_training

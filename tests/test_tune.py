@@ -14,8 +14,8 @@ from conftest import small_job
 from orchestrator.cli.tune import main
 from orchestrator.config.loader import load_job
 from orchestrator.train.batch import Batch
-from orchestrator.tune import run as tune_run
-from orchestrator.tune.probe import Probe
+from orchestrator.autotune import run as tune_run
+from orchestrator.autotune.probe import Probe
 
 HOT_NETS = '''
 import torch
@@ -74,7 +74,7 @@ def test_the_probe_finds_the_layer_without_fp16_headroom_and_each_layers_error(h
 
 def test_float8_is_probed_for_linear_layers_only_emulated_where_asked_and_never_for_a_target_without_it(hot_job):
     from orchestrator.train.models import build_model
-    from orchestrator.tune.plan import options
+    from orchestrator.autotune.plan import options
 
     cfg = load_job(hot_job[0])
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from orchestrator.tune.devices import TARGETS, Work, modelled_time
-from orchestrator.tune.search import FP32, Option, by_layer, choose, one_up, predicted_error, riskiest
+from orchestrator.autotune.devices import TARGETS, Work, modelled_time
+from orchestrator.autotune.search import FP32, Option, by_layer, choose, one_up, predicted_error, riskiest
 
 
 def rows(*layers):

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from orchestrator.config.loader import load_job
 from orchestrator.runner.launch import build_trainer
-from orchestrator.train.memory import KEEP_FREED_MEMORY_ENV
+from orchestrator.train.allocator import KEEP_FREED_MEMORY_ENV
 
 from conftest import REPO, small_job
 

@@ -6,14 +6,13 @@ cannot be exported (not found, no logged model, weights that do not fit its mode
 """
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from orchestrator.cli.program import prog
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, command_exit
+from orchestrator.cli.program import prog, refused
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput, command_exit
 from orchestrator.runner.export import EXPORT_DTYPES, ExportRefused, export_logged_run
-from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.secrets import install_console_redaction
 from orchestrator.tracking.tracker import RunTracker, quick_http_failures, resolve_uri
 
 
@@ -33,11 +32,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         result = export_logged_run(RunTracker.open(uri, args.run_id), args.dtype, args.max_accuracy_drop)
     except BadInput as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refused(exc)
     except ExportRefused as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_FAILED
+        return refused(exc, EXIT_FAILED)
     print(f"exported {args.run_id} as {result.describe()}")
     return EXIT_OK
 

@@ -4,7 +4,6 @@ the precision it was trained or exported in, written to a file. The logic is `or
 import argparse
 import os
 import pickle
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -12,8 +11,9 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput, command_exit
-from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.cli.program import refused
+from orchestrator.errors import EXIT_OK, BadInput, command_exit
+from orchestrator.tracking.secrets import install_console_redaction
 from orchestrator.tracking.tracker import quick_http_failures
 
 INPUTS = (".pt", ".npy")
@@ -120,8 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         outputs = predictor.over(data, args.batch_size)
         written = write_outputs(outputs, args.output)
     except BadInput as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refused(exc)
     print(f"Predicted with {predictor.describe}: {written} -> {args.output}")
     return EXIT_OK
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.cli.program import prog
+from orchestrator.cli.program import interrupted, parse_job_args, prog, refused
 from orchestrator.config import reference
-from orchestrator.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, Interrupted,
-                                 command_exit, exit_within, interrupt_on_sigint, interrupt_on_sigterm)
+from orchestrator.errors import (EXIT_FAILED, EXIT_OK, INTERRUPT_DEADLINE_S, BadInput, command_exit, exit_within,
+                                 interrupt_on_sigint, interrupt_on_sigterm)
 from orchestrator.runner import remote
 from orchestrator.tracking.secrets import install_console_redaction, redact
 
@@ -44,10 +44,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="with an http(s):// --address: print the submitted job's id and exit")
     parser.add_argument("--resume", action="store_true",
                         help="continue this job's newest interrupted run from its last checkpoint, in the same MLflow run")
-    reference.add_help_config(parser)
-    console.add_arguments(parser)
-    # Intermixed: overrides may come after options (`JOB --address URL run.epochs=2`), as users type them.
-    return parser.parse_intermixed_args(argv)
+    return parse_job_args(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -61,9 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _submit(args)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM; a created run was closed KILLED on the way
-        interrupted = Interrupted.of(exc)
-        print(f"\n{interrupted.describe()}", file=sys.stderr)
-        return interrupted.exit_code
+        return interrupted(exc)
     except Exception as exc:  # a driver-side failure after the run was created: execute() closed it FAILED
         frames = traceback.extract_tb(exc.__traceback__)
         where = f"\n  at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
@@ -99,8 +94,7 @@ def _submit(args: argparse.Namespace) -> int:
         preflight([load_job(job_path, args.overrides)], job_path, args.address, resume=args.resume)
         return remote.submit(job_path, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
     except BadInput as exc:  # also the job server's refusals (no token, a job file outside the project)
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refused(exc)
 
 
 if __name__ == "__main__":

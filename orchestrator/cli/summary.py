@@ -25,6 +25,7 @@ from torch import nn
 from orchestrator.cli.program import prog
 from orchestrator.config.loader import load_precision
 from orchestrator.config.schema import OptimSection
+from orchestrator.config.strategies import DDP, STRATEGIES, strategy_named
 from orchestrator.errors import BadInput, command_exit
 from orchestrator.precision.ledger import CATEGORIES, MemoryLedger
 from orchestrator.tracking.secrets import install_console_redaction
@@ -33,7 +34,6 @@ from orchestrator.train.optim import build_optimizer
 from orchestrator.precision import MasterWeights, Policy, apply, autocast_context, dtype_name, plan
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -55,7 +55,7 @@ def parse_input(text: str) -> tuple[int, ...]:
 
 def summarize(model_name: str, input_shape: Sequence[int], *, preset: str = "O0", optimizer: str = "sgd",
               batch_size: int = 1, num_classes: Optional[int] = None, activations: bool = True,
-              device: Optional[torch.device] = None, strategy: str = "ddp", world_size: int = 1,
+              device: Optional[torch.device] = None, strategy: str = DDP.name, world_size: int = 1,
               wrap: Sequence[str] = ()) -> dict[str, Any]:
     """The summary as the `--json` object (per rank under `strategy` over `world_size` ranks)."""
     if strategy not in STRATEGIES:
@@ -114,7 +114,7 @@ def summarize(model_name: str, input_shape: Sequence[int], *, preset: str = "O0"
         "bytes": {category: dict(sorted(ledger.bytes.get(category, {}).items())) for category in CATEGORIES},
         "layers": layers,
     }
-    if strategy == "fsdp":
+    if strategy_named(strategy).shards:
         summary.update(_fsdp_rank0(model, policy, plans, opt, masters, world_size, wrap, device))
         summary["bytes"].update({category: dict(sorted(per_dtype.items()))
                                  for category, per_dtype in summary.pop("predicted").items()})
@@ -175,7 +175,7 @@ def render(summary: dict[str, Any]) -> str:
     total = sum(sum(per_dtype.values()) for per_dtype in bytes_.values())
     lines += [rule, f"Params size (MB): {_mib(params_bytes)}",
               f"Estimated Total Size (MB): {_mib(total)}  (every category above)", rule]
-    if summary.get("strategy") == "fsdp":
+    if STRATEGIES.get(summary.get("strategy"), DDP).shards:
         lines += [f"FSDP over {summary['world_size']} ranks: params, grads and optimizer are rank 0's shards "
                   "(the fp32 shards are the masters); activations per rank.",
                   f"Gathered while a unit computes (the root's and the largest other unit's): "
@@ -198,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-activations", action="store_true",
                         help="skip the forward/backward pass (fast; activations are not measured)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--strategy", default="ddp", choices=STRATEGIES,
+    parser.add_argument("--strategy", default=DDP.name, choices=list(STRATEGIES),
                         help="ddp: every rank holds everything; fsdp: rank 0's shards of params, grads, optimizer")
     parser.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (--strategy fsdp)")
     parser.add_argument("--wrap", nargs="*", default=[], metavar="GLOB",

@@ -16,15 +16,13 @@ Exit codes: 0 every child finished; 1 a child failed (the others still ran; its 
 import argparse
 import os
 import signal
-import sys
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.cli.program import prog
+from orchestrator.cli.program import interrupted, parse_job_args, prog, refused
 from orchestrator.config import reference
-from orchestrator.errors import (EXIT_BAD_INPUT, INTERRUPT_DEADLINE_S, BadInput, Interrupted, command_exit,
-                                 exit_within, interrupt_on_sigint)
-from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.errors import INTERRUPT_DEADLINE_S, BadInput, command_exit, exit_within, interrupt_on_sigint
+from orchestrator.tracking.secrets import install_console_redaction
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -48,9 +46,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--max-accuracy-drop", type=float, default=0.01,
                         help="name the presets (or grid points) whose final accuracy is lower than the first's "
                              "by more than this (0.01 = 1 point)")
-    reference.add_help_config(parser)
-    console.add_arguments(parser)
-    return parser.parse_intermixed_args(argv)
+    return parse_job_args(parser, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -67,12 +63,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             plan = validate(args)
             parent = start_parent(plan, args.max_accuracy_drop)  # MLflow unreachable: exit 2, nothing started
         except BadInput as exc:
-            print(f"error: {redact(str(exc))}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return refused(exc)
         except KeyboardInterrupt as exc:  # before any run
-            interrupted = Interrupted.of(exc)
-            print(f"\n{interrupted.describe()}", file=sys.stderr)
-            return interrupted.exit_code
+            return interrupted(exc)
         return run_sweep(plan, parent, args.max_accuracy_drop)
     finally:
         exit_within(None)  # a deadline an interrupt started runs on: the command is ending

@@ -1,6 +1,6 @@
 """`python -m orchestrator.tune JOB [key=value ...] --output FILE` (also `ampflow tune`): choose the cheapest
 per-layer precision policy that keeps the model's numbers, and write it as a job that `submit` takes as it is
-(the tuner itself: `orchestrator.tune`).
+(the tuner itself: `orchestrator.autotune`).
 
 Exit codes: 0 written; 1 no policy passed the validation (nothing written), or the tune's MLflow run could not be
 logged; 2 bad input, refused before any work: the job, `--output` (a file that can be written; the job file itself
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.cli.program import prog
+from orchestrator.cli.program import prog, refused
 from orchestrator.config.loader import load_job
-from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, command_exit
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput, command_exit
 from orchestrator.tracking.secrets import install_console_redaction, redact, remember_secrets
 from orchestrator.tracking.tracker import TrackingUnavailable, quick_http_failures, reach, resolve_uri
 
@@ -39,8 +39,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     console.from_args(args)
 
-    from orchestrator.tune.record import log_tune
-    from orchestrator.tune.run import ValidationFailed, refuse_unavailable_float8, tune, tuned_job
+    from orchestrator.autotune.record import log_tune
+    from orchestrator.autotune.run import ValidationFailed, refuse_unavailable_float8, tune, tuned_job
 
     try:  # every refusal before the work: the job, --output, float8, the tracking store
         cfg = load_job(args.job, args.overrides)
@@ -50,8 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         uri = tracking_store(cfg)
         result = tune(cfg, say=console.logger.info)
     except BadInput as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refused(exc)
     except ValidationFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

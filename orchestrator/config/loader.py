@@ -84,7 +84,7 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
         key = getattr(exc, "full_key", None)
         first_line = str(exc).splitlines()[0]
         where = f"key '{exc.key}' of {entry[0]}" if entry is not None else f"key '{key}'" if key else "a section"
-        raise BadInput(f"{source}: {where}: {first_line}. Fix the value's type (see orchestrator/config/schema.py).") from None
+        raise BadInput(f"{source}: {where}: {first_line}. Fix the value's type (see orchestrator/config/sections/).") from None
 
 
 @lru_cache(maxsize=None)

@@ -1,14 +1,17 @@
 """Every config key with its type, default and doc line, read from the schema: what `--help` lists.
 
-The doc lines are the strings under each field of `orchestrator.config.schema` (attribute
-docstrings), read from its source, so the help can never drift from the schema.
+The doc lines are the strings under each field of `orchestrator.config.schema` and its sections
+(`orchestrator.config.sections`: attribute docstrings), read from their source, so the help can never drift from
+the schema.
 """
 
 import argparse
 import ast
 import dataclasses
-import sys
+import importlib
 import inspect
+import pkgutil
+import sys
 import textwrap
 import typing
 from functools import lru_cache
@@ -16,7 +19,7 @@ from typing import Any, Iterator, NamedTuple
 
 from omegaconf import MISSING
 
-from orchestrator.config import schema
+from orchestrator.config import schema, sections
 
 
 class Key(NamedTuple):
@@ -31,7 +34,9 @@ class Key(NamedTuple):
 def _doc_lines() -> dict[tuple[str, str], str]:
     """(class name, field name) -> the string under the field, whitespace folded."""
     docs = {}
-    for node in ast.parse(inspect.getsource(schema)).body:
+    modules = [schema, *(importlib.import_module(f"{sections.__name__}.{module.name}")
+                         for module in pkgutil.iter_modules(sections.__path__))]
+    for node in (node for module in modules for node in ast.parse(inspect.getsource(module)).body):
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import names, optim, workers
 from orchestrator.config.imports import is_import_path
+from orchestrator.config.strategies import STRATEGIES
 from orchestrator.errors import BadInput
 from orchestrator.precision import float8
 from orchestrator.precision.dtypes import parse_dtype
@@ -21,7 +22,6 @@ ON_NONFINITE_GRADS = ("skip", "fail", "warn")
 LOADERS = ("auto", "dataloader", "device")
 OPTIM_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 COMM_HOOKS = ("none", "fp16", "bf16")
-STRATEGIES = ("ddp", "fsdp")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 WORKER_OUTPUT = ("rank0", "all", "none")
 TUNE_TARGETS = ("h100", "a100", "cpu")
@@ -208,17 +208,13 @@ def validate(cfg: DictConfig, source: str) -> None:
 def _check_strategy(cfg: DictConfig, r) -> None:
     """`scaling.strategy` and what goes with it; what needs the model (the FSDP units) is pre-flight's."""
     strategy = cfg.scaling.strategy
-    r(strategy in STRATEGIES, "scaling.strategy", f"unknown strategy '{strategy}'. Use one of {', '.join(STRATEGIES)}.")
+    choice = STRATEGIES.get(strategy)
+    r(choice is not None, "scaling.strategy", f"unknown strategy '{strategy}'. Use one of {', '.join(STRATEGIES)}.")
     for index, glob in enumerate(cfg.scaling.fsdp.wrap):
         r(isinstance(glob, str) and glob.strip() != "", f"scaling.fsdp.wrap[{index}]",
           "must be a glob on a module's class name (e.g. 'Block') or qualified name (e.g. 'layers.*'), not empty.")
-    r(strategy != "fsdp" or cfg.ddp.comm_hook == "none", "ddp.comm_hook",
-      f"'{cfg.ddp.comm_hook}' compresses DDP's all-reduce, which scaling.strategy fsdp does not use: FSDP "
-      "reduce-scatters gradients in precision.reduce_dtype. Set ddp.comm_hook: none (and precision.reduce_dtype: "
-      "bfloat16 to halve the bytes sent).")
-    r(strategy != "fsdp" or not cfg.perf.channels_last, "perf.channels_last",
-      "torch's FSDP2 shards contiguous parameters only, and channels-last convolution weights are not: with "
-      "scaling.strategy fsdp set perf.channels_last: false.")
+    for key, why in choice.refusals(cfg):  # what this strategy cannot honour (an unknown one was refused above)
+        r(False, key, why)
 
 
 def _validate_tune(tune, r) -> None:

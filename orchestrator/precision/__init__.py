@@ -7,8 +7,8 @@ from orchestrator.precision.masters import MasterWeights
 from orchestrator.precision.policy import Audit, LayerPlan, Policy, apply, broken_promises, plan
 from orchestrator.precision.precision import Precision, PolicyNotHonoured
 from orchestrator.precision.scaler import make_scaler
-from orchestrator.precision.outcome import StepOutcome
-from orchestrator.precision.scaling import (GuardedScaler, LossScaleCollapsed, NonFiniteGradients, NonFiniteLoss,
+from orchestrator.precision.step_outcome import StepOutcome
+from orchestrator.precision.guarded_step import (GuardedScaler, LossScaleCollapsed, NonFiniteGradients, NonFiniteLoss,
                                            NothingTrained)
 
 __all__ = [

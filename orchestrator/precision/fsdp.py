@@ -306,6 +306,10 @@ class FsdpAudit(Audit):
             })
         return entries
 
+    def broken(self, entries: list[dict[str, Any]]) -> list[str]:
+        """The promises the closed audit's `entries` broke: the DDP audit's and the shards' (`broken_fsdp_promises`)."""
+        return broken_fsdp_promises(entries)
+
 
 def _name(dtype: Optional[torch.dtype]) -> Optional[str]:
     return dtype_name(dtype) if dtype is not None else None

@@ -316,6 +316,10 @@ class Audit:
             })
         return entries
 
+    def broken(self, entries: list[dict[str, Any]]) -> list[str]:
+        """The promises the closed audit's `entries` broke, one message each (`broken_promises`)."""
+        return broken_promises(entries)
+
 
 def broken_promises(entries: list[dict[str, Any]]) -> list[str]:
     """One message per layer whose parameters or output are not in the dtype the policy promised."""

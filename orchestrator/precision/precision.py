@@ -24,8 +24,8 @@ from orchestrator.precision.amp import autocast_context
 from orchestrator.precision.float8 import convert_float8, float8_layers
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
-from orchestrator.precision.policy import Audit, Policy, apply, broken_promises, plan
-from orchestrator.precision.scaling import Counters, GuardedScaler, StepOutcome, clip
+from orchestrator.precision.policy import Audit, Policy, apply, plan
+from orchestrator.precision.guarded_step import Counters, GuardedScaler, StepOutcome, clip
 
 if TYPE_CHECKING:
     from orchestrator.precision.fsdp import FsdpAudit
@@ -53,10 +53,11 @@ def bf16_unsupported(policy: Policy, device: torch.device) -> Optional[str]:
 
 class Precision:
     def __init__(self, section: Any, device: torch.device, *, rank: int = 0, world_size: int = 1,
-                 promoted: Sequence[str] = ()):
-        """`promoted`: layers moved to fp32 at run time (`on_collapse: promote`), ahead of every rule."""
+                 promoted: Sequence[str] = (), policy: Optional[Policy] = None):
+        """`promoted`: layers moved to fp32 at run time (`on_collapse: promote`), ahead of every rule. `policy`: the
+        section as the job built it once (`orchestrator.config.job.Job`); parsed from `section` when not given."""
         self.section, self.device = section, device
-        self.policy = Policy.from_config(section).with_promoted(promoted)
+        self.policy = (policy or Policy.from_config(section)).with_promoted(promoted)
         problem = bf16_unsupported(self.policy, device)
         if problem:
             raise RuntimeError(f"precision: {problem}")
@@ -165,10 +166,7 @@ class Precision:
             return None
         audit, self.audit = self.audit, None
         entries = audit.close()
-        sharded = type(audit).__name__ == "FsdpAudit"  # not imported here: torch's FSDP takes seconds to import
-        if sharded:
-            from orchestrator.precision.fsdp import broken_fsdp_promises
-        problems = broken_fsdp_promises(entries) if sharded else broken_promises(entries)
+        problems = audit.broken(entries)  # an FSDP audit also checks its shards
         if problems:
             raise PolicyNotHonoured("precision policy not honoured: " + "; ".join(problems), entries)
         return entries

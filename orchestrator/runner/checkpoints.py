@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 from pyarrow import fs
 
+from orchestrator.config.strategies import manifest_strategy
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.runner.records import _filesystem
 from orchestrator.train.checkpoint import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, manifest_file,
@@ -58,7 +59,8 @@ def _stored(filesystem, directory: str, local: bool) -> Optional[StoredCheckpoin
         manifest = json.loads(manifest_text) if manifest_text is not None else None
     except ValueError:
         manifest = None
-    sharded = isinstance(manifest, dict) and manifest.get("strategy") == "fsdp"
+    written = manifest_strategy(manifest)
+    sharded = written is not None and written.shards
     files = manifest.get("files") if sharded else manifest  # an FSDP manifest lists its files under "files"
     if not isinstance(files, dict) or STATE_FILE not in files:
         return None

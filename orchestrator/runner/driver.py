@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,14 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator import console
 from orchestrator.train import models
 from orchestrator.config import flatten, to_yaml
-from orchestrator.config.workers import Workers
+from orchestrator.config.job import Job
 from orchestrator.errors import EXIT_FAILED, Interrupted, resume_hint_on_exit
 from orchestrator.runner.preflight import RunChoice, check_cluster_capacity
 from orchestrator.runner import records, stalls
-from orchestrator.runner.outcome import RunResult, failed, finished
+from orchestrator.runner.outcome import failed, finished
+from orchestrator.runner.plan import RunPlan, RunResult
 from orchestrator.runner.records import close_run
 from orchestrator.runner.run_end import RunEnd
-from orchestrator.runner.ray_start import RayStart, server_listens, start_ray
+from orchestrator.runner.ray_start import server_listens, start_ray
 from orchestrator.tracking.progress import ConsoleProgress
 from orchestrator.tracking.secrets import install_console_redaction, redact
 from orchestrator.tracking.tracker import (
@@ -43,32 +43,11 @@ CLOSE_ON_INTERRUPT_S = 5.0
 the command must end within `errors.INTERRUPT_DEADLINE_S`."""
 
 
-@dataclass
-class RunPlan:
-    cfg: DictConfig
-    job_path: Path
-    address: Optional[str]
-    uri: str
-    run_name: str
-    resume: bool
-    tracker: object
-    """The MLflow run (RunTracker), or None while MLflow is unreachable and `tracking.required` is false."""
-    parent_run_id: Optional[str] = None
-    """The MLflow parent run (a sweep's) this run is a child of; None for a run of its own."""
-    result: Optional[RunResult] = None
-    """How the run ended, once `execute` has run it (what `orchestrator.run()` returns)."""
-    datasets: Sequence = ()
-    """The train and eval sets' lineage, for a run created once MLflow answers (`RunChoice.datasets`)."""
-    ray: Optional[RayStart] = None
-    """Ray as it was started for this run while its MLflow run was created (`plan_run_as_ray_starts`), or by
-    `execute` (when None, it starts it); `execute` releases it once the run is closed."""
-
-
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None,
                datasets: Sequence = ()):
     tags = {**standard_tags(job_path, Path.cwd()),
             "preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
-            "world_size": str(Workers.of(cfg.scaling)), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
+            "world_size": str(Job.of(cfg).workers), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
             "job_file": str(job_path), "ray_run_name": run_name}
     if "mlflow.source.git.commit" in tags:
         tags["git_commit"] = tags["mlflow.source.git.commit"]  # ampflow's own name for it, kept
@@ -281,7 +260,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         tracker = end.flush(cfg.tracking.flush_timeout_s)
     if tracker is not None and tracker.run_id != run_id:
         records.write_record(storage, plan.run_name, run_id=tracker.run_id)
-    stalled = stalls.new_stalls(storage, plan.run_name, Workers.of(cfg.scaling).max, stalled_before)
+    stalled = stalls.new_stalls(storage, plan.run_name, Job.of(cfg).workers.max, stalled_before)
     if failure is not None:
         return failed(plan, end, failure, stalled)
     stalls.log_and_print(stalled, end.tracker, failed_by_last=False)

@@ -24,7 +24,7 @@ from orchestrator.tracking.logged_model import ModelInputs
 from orchestrator.train.batch import Batches, BatchLayout, InputExample
 from orchestrator.train.data import build_datasets, collate_fn
 from orchestrator.train.models import build_model
-from orchestrator.train.modes import eval_mode
+from orchestrator.common.modes import eval_mode
 from orchestrator.train.task import SummedMetric, build_metrics, fp32
 
 EXPORT_DTYPES = ("float16", "bfloat16")

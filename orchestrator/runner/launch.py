@@ -8,12 +8,12 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend  # Ray 2.60: what TorchConfig sets up the workers with
 
-from orchestrator.config.workers import Workers
+from orchestrator.config.job import Job
 from orchestrator.runner.worker import train_loop
 from orchestrator.train.hooks.watchdog import collective_timeout_s
-from orchestrator.train.memory import allocator_env
+from orchestrator.train.allocator import allocator_env
 from orchestrator.train.preemption import install_notice_handler
-from orchestrator.train.report import CHECKPOINT_SCORE
+from orchestrator.common.report import CHECKPOINT_SCORE
 
 
 class DriverTrainer(TorchTrainer):
@@ -44,7 +44,7 @@ class DriverTrainer(TorchTrainer):
 
 def worker_env(cfg: DictConfig, runtime_env: Optional[dict]) -> Optional[dict]:
     """The workers' runtime env: `runtime_env` (the user's modules) plus the allocator settings of
-    `perf.keep_freed_memory` (`train.memory.allocator_env`). Values in the driver's environment win; so do the
+    `perf.keep_freed_memory` (`train.allocator.allocator_env`). Values in the driver's environment win; so do the
     runtime env's own. Ray starts each worker with its runtime env's variables."""
     allocator = allocator_env(cfg.perf.keep_freed_memory)
     if not allocator:
@@ -95,7 +95,7 @@ def build_trainer(cfg: DictConfig, *, run_name: str, storage_path: str, callback
     `launched_at` (wall-clock seconds) is when submit began: the workers report `perf/time_to_first_step_s`
     from it. `relay`: the report relay, where the workers send what the user's code prints (`run.worker_output`).
     """
-    workers = Workers.of(cfg.scaling)
+    workers = Job.of(cfg).workers
     scaling = ScalingConfig(
         num_workers=workers.for_ray(),  # (min, max): Ray Train's elastic scaling
         use_gpu=cfg.scaling.use_gpu,

@@ -8,42 +8,21 @@ not take all of it).
 
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.precision import PolicyNotHonoured
 from orchestrator.runner import outputs, stalls
 from orchestrator.runner.checkpoints import newest_finite, remove_unfinished
 from orchestrator.runner.records import storage_uri
+from orchestrator.runner.plan import RunPlan, RunResult
 from orchestrator.runner.run_end import RunEnd
 from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tables import audit_summary, audit_summary_html
 from orchestrator.tracking.tracker import view_hint
 from orchestrator.train.checkpoint import CheckpointWriteError
-from orchestrator.train.report import Report
-
-if TYPE_CHECKING:
-    from orchestrator.runner.driver import RunPlan
-
-
-@dataclass
-class RunResult:
-    """How a run ended, for callers from Python (`from orchestrator import run`)."""
-
-    run_id: Optional[str]
-    """The MLflow run (None when MLflow never answered)."""
-    status: str
-    """FINISHED or FAILED (an interrupt raises instead)."""
-    metrics: dict[str, float]
-    """Each metric's final value (`eval/loss`, `eval/<metric>`, `train/loss`, `amp/*`, ...)."""
-    checkpoint_path: Optional[str]
-    """Where the run's checkpoints are (its directory in `checkpoint.storage_path`)."""
-    model_uri: Optional[str]
-    """The logged fp32 model (`mlflow.pytorch.load_model(model_uri)`), or None when none was logged."""
-    error: Optional[str] = None
-    """Why it FAILED: the worker's exception first."""
+from orchestrator.common.report import Report
 
 
 def _last_frame(traceback_text: str) -> Optional[str]:
@@ -73,7 +52,7 @@ def summarize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def failed(plan: "RunPlan", end: RunEnd, failure, stalled: Sequence["stalls.StalledAttempt"] = ()) -> int:
+def failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.StalledAttempt"] = ()) -> int:
     tracker = end.tracker
     stall = stalls.stalled_cause(list(stalled), failure)  # a watchdog ended the last attempt: name the stalled rank
     cause = redact(stall or summarize_failure(failure))
@@ -113,7 +92,7 @@ def checkpoint_write_failed(failure) -> bool:
     return any(isinstance(cause, CheckpointWriteError) for cause in causes)
 
 
-def resume_hint(plan: "RunPlan") -> str:
+def resume_hint(plan: RunPlan) -> str:
     """What a failed run can be continued from: its newest finite checkpoint, named, or nothing."""
     try:
         stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
@@ -127,7 +106,7 @@ def resume_hint(plan: "RunPlan") -> str:
             f"fixed, continue from it with: python -m orchestrator.submit {plan.job_path} --resume")
 
 
-def finished(plan: "RunPlan", end: RunEnd, result, module_sources: Sequence[Path]) -> int:
+def finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path]) -> int:
     cfg, tracker = plan.cfg, end.tracker
     checkpoints = storage_uri(cfg.checkpoint.storage_path, result.path)
     if tracker is None:
@@ -155,7 +134,7 @@ def finished(plan: "RunPlan", end: RunEnd, result, module_sources: Sequence[Path
     return exit_code
 
 
-def _incomplete(plan: "RunPlan", end: RunEnd, result) -> int:
+def _incomplete(plan: RunPlan, end: RunEnd, result) -> int:
     """Training finished but MLflow did not take all of the run, or could not close it: exit 1 (never a success),
     with one line saying what is missing, where the run's data still is and how to get it into MLflow."""
     tracker, checkpoints = end.tracker, storage_uri(plan.cfg.checkpoint.storage_path, result.path)
@@ -175,7 +154,7 @@ def _incomplete(plan: "RunPlan", end: RunEnd, result) -> int:
     return EXIT_FAILED
 
 
-def _recovery(plan: "RunPlan") -> str:
+def _recovery(plan: RunPlan) -> str:
     try:
         stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
     except OSError:

@@ -12,9 +12,9 @@ from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.precision.finite import NonFiniteModel, model_nonfinite
 from orchestrator.runner.export import ExportRefused, export
 from orchestrator.tracking.logged_model import ModelInputs
-from orchestrator.tracking.tracker import register_model
+from orchestrator.tracking.run_model import register_model
 from orchestrator.train import models
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 from orchestrator.train.strategy import load_trained_weights
 
 

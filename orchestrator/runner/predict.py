@@ -42,10 +42,10 @@ from orchestrator.tracking.logged_model import LoggedInputs
 from orchestrator.tracking.model_files import load_pt2_model
 from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tracker import RunTracker, resolve_uri
-from orchestrator.train.batch import Batch, BatchLayout, plain
+from orchestrator.common.values import plain, prediction
+from orchestrator.train.batch import Batch, BatchLayout
 from orchestrator.train.data import build_datasets, collate_fn
 from orchestrator.train.models import build_model
-from orchestrator.train.task import prediction
 
 TRAINED_MODEL = "model"
 """The name a run logs its fp32 model under; an export is `model_<dtype>`."""

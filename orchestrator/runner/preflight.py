@@ -25,24 +25,23 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import default_collate
 
-from orchestrator.config.workers import Workers
+from orchestrator.config.job import Job
 from orchestrator.errors import BadInput
 from orchestrator.runner import records
 from orchestrator.runner.checkpoints import newest
 from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
+from orchestrator.common.values import describe as describe_value, prediction
 from orchestrator.tracking.secrets import remember_secrets
-from orchestrator.train.batch import MODEL_LOSS, BatchLayout, describe as describe_value
+from orchestrator.train.batch import MODEL_LOSS, BatchLayout
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
-from orchestrator.train.lint import lint
+from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
-from orchestrator.runner.preflight_precision import check_policy_kept
-from orchestrator.train.modes import eval_mode
+from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
-from orchestrator.train.resume import Layout, check_model, check_resume
+from orchestrator.train.resume import check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import (MODEL_LOSS_HINT, SummedMetric, build_loss, build_metric, fp32,
-                                     model_loss_of, prediction)
+from orchestrator.train.task import MODEL_LOSS_HINT, SummedMetric, build_loss, build_metric, fp32, model_loss_of
 
 
 @dataclass
@@ -98,9 +97,8 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
             check_metric_names(cfg, evaluated[what])
         check_optimizer(cfg, built[what], warned)
         check_lint(cfg, built[what])
-        if firsts.get(what):  # the policy kept on two samples, as the workers' audit will hold it
-            check_policy_kept(cfg, built[what], firsts[what][0])
-        check_plan(cfg, built[what])  # scaling.strategy fsdp: the units and their policies can be planned
+        # DDP: the policy kept on two samples, as the workers' audit will hold it; FSDP: the units can be planned
+        check_plan(cfg, built[what], firsts[what][0] if firsts.get(what) else None)
     if not address:
         for cfg in {repr(cfg.scaling): cfg for cfg in configs}.values():
             check_local_capacity(cfg)
@@ -308,7 +306,8 @@ def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_sample
         return None
     where = f"run {run_name} from {stored.name}"
     check_model(stored.facts, {name: list(t.shape) for name, t in model.state_dict().items()}, cfg, where)
-    check_resume(stored.facts, Layout.of(cfg, train_samples, Workers.of(cfg.scaling).max), where)
+    job = Job.of(cfg)
+    check_resume(stored.facts, job.layout(train_samples, job.workers.max), where)
     return stored.facts
 
 
@@ -316,8 +315,9 @@ def check_whole_steps(cfg: DictConfig, train_samples: Optional[int]) -> None:
     """An epoch must hold at least one optimizer step (on `max` workers for a fixed count: the most it asks)."""
     if train_samples is None:
         return
-    workers = Workers.of(cfg.scaling)
-    layout = Layout.of(cfg, train_samples, workers.max)
+    job = Job.of(cfg)
+    workers = job.workers
+    layout = job.layout(train_samples, workers.max)
     if layout.steps_per_epoch > 0:
         return
     step = (f"a step's global batch of {layout.global_batch} (run.batch_size x run.accumulate_steps x "
@@ -364,7 +364,7 @@ def check_local_capacity(cfg: DictConfig) -> None:
     here, before Ray starts, instead of waiting forever for resources."""
     have = {"CPU": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
             "GPU": float(torch.cuda.device_count())}
-    workers = Workers.of(cfg.scaling)  # an elastic run starts with what fits, at least its min
+    workers = Job.of(cfg).workers  # an elastic run starts with what fits, at least its min
     for resource, per_worker in sorted(worker_resources(cfg).items(), key=lambda item: item[0] != "GPU"):
         need = per_worker * workers.min
         if need > have.get(resource, 0.0):
@@ -383,7 +383,7 @@ def check_cluster_capacity(cfg: DictConfig) -> Optional[str]:
 
     total = ray.cluster_resources()
     for resource, per_worker in worker_resources(cfg).items():
-        need = per_worker * Workers.of(cfg.scaling).min  # an elastic run starts with at least its min
+        need = per_worker * Job.of(cfg).workers.min  # an elastic run starts with at least its min
         if need > total.get(resource, 0.0):
             return (f"the cluster has {total.get(resource, 0.0):g} {resource} now and the job needs {need:g}; "
                     "training starts when an autoscaler adds nodes (Ctrl-C to stop).")

@@ -2,14 +2,12 @@
 record and MLflow status closed, and MLflow's refused writes summed up on the console."""
 
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from orchestrator.runner.plan import RunPlan
 from orchestrator.runner.records import close_run
 from orchestrator.tracking.refusals import Refusals
 from orchestrator.tracking.secrets import redact
-
-if TYPE_CHECKING:
-    from orchestrator.runner.driver import RunPlan
 
 TRACKING_INCOMPLETE_TAG = "tracking_incomplete"
 """The tag of a run that trained but whose records MLflow did not all take: what is missing, and why."""
@@ -21,7 +19,7 @@ class RunEnd:
     then `close_run` (run record + MLflow status) with the tracker as it is by then (MLflow may have come back
     mid-run), and says how many writes MLflow refused, one line per kind."""
 
-    def __init__(self, plan: "RunPlan"):
+    def __init__(self, plan: RunPlan):
         self.plan, self.tracker, self.writer, self.status = plan, plan.tracker, None, None
         self.refusals = plan.tracker.refusals if plan.tracker is not None else Refusals()
         """The run's refused writes and lost records (its tracker's and writer's)."""

@@ -88,6 +88,7 @@ def ray_candidates(filesystem, run_dir: str) -> list[Candidate]:
 
 def train_loop(config: dict[str, Any]) -> None:
     cfg = OmegaConf.create(config["job"])
+    OmegaConf.set_readonly(cfg, True)  # read, never changed: its parts are built once (`orchestrator.config.job`)
 
     def prepare(model):
         wrapped = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs(cfg.ddp))
@@ -97,4 +98,4 @@ def train_loop(config: dict[str, Any]) -> None:
     session = RaySession()
     with forwarded_output(config.get("relay"), session.rank, cfg.run.worker_output):
         TrainingLoop(cfg, session, run_id=config.get("run_id"), launched_at=config.get("launched_at"),
-                     wrap=prepare if cfg.scaling.strategy == "ddp" else None).run()
+                     wrap=prepare).run()  # DDP's wrap; FSDP shards the model itself

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from orchestrator.config.imports import is_import_path
-from orchestrator.train.batch import tensors
+from orchestrator.common.values import tensors
 
 DIGEST_SAMPLES = 32
 """How many samples (the first ones) the digest reads."""

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from orchestrator.train.batch import plain
+from orchestrator.common.modes import eval_mode
+from orchestrator.common.values import plain, prediction
 
 logger = logging.getLogger("ampflow.tracking")
 
@@ -99,9 +100,6 @@ class ModelInputs:
         return ModelSignature(inputs=Schema(specs), outputs=outputs)
 
     def _prediction(self, model: torch.nn.Module, tensors: Optional[list[torch.Tensor]] = None) -> Any:
-        from orchestrator.train.modes import eval_mode
-        from orchestrator.train.task import prediction
-
         tensors = self.tensors if tensors is None else tensors
         try:
             with torch.no_grad(), eval_mode(model):  # the model's own modes are kept; no statistic moves

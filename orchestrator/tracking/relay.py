@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import ray
 from ray.train import UserCallback
 
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 
 @ray.remote(num_cpus=0)

@@ -23,7 +23,7 @@ from orchestrator.errors import was_interrupted
 from orchestrator.tracking.nodes import NodeLost, NodeLosses
 from orchestrator.tracking.refusals import Refusals, describe
 from orchestrator.tracking.tables import RENDERED
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 logger = logging.getLogger("ampflow.tracking")
 

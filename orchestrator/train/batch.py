@@ -11,82 +11,15 @@ a batch's structure. Tensors keep their dtype everywhere: token ids stay int64, 
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from orchestrator.common.values import describe, move, part, part_names, tensors
 from orchestrator.errors import BadInput
 
 MODEL_LOSS = "model"
 """`task.loss: model`: the loss is the one the model returns (its outputs' `loss`), given the targets."""
-
-
-def map_tensors(function: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """`value` with `function` applied to every tensor in it (nested dicts, lists, tuples, named tuples,
-    dataclasses); anything else kept as it is."""
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # before Mapping: a Hugging Face ModelOutput
-        return dataclasses.replace(value, **{f.name: map_tensors(function, getattr(value, f.name))
-                                            for f in dataclasses.fields(value) if f.init})
-    if isinstance(value, Mapping):
-        items = {key: map_tensors(function, item) for key, item in value.items()}
-        return items if type(value) is dict else type(value)(items)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(map_tensors(function, item) for item in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(function, item) for item in value)
-    return value
-
-
-def plain(value: Any) -> Any:
-    """`value` in types any loader knows: a mapping or a dataclass (a Hugging Face `ModelOutput`) as a dict of its
-    parts that are not None, a named tuple as a tuple, nested; tensors as they are. What the logged and exported
-    models return, so that loading them needs no third-party import."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, Mapping):
-        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(key): plain(item) for key, item in value.items() if item is not None}
-    if isinstance(value, (list, tuple)):
-        items = [plain(item) for item in value]
-        return items if isinstance(value, list) else tuple(items)
-    return value
-
-
-def move(value: Any, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format) -> Any:
-    """`value` with every tensor in it on `device`, dtypes kept; 4-D floating tensors in `memory_format`."""
-
-    def place(tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(device, non_blocking=True)
-        if tensor.dim() == 4 and tensor.is_floating_point() and memory_format != torch.contiguous_format:
-            tensor = tensor.contiguous(memory_format=memory_format)
-        return tensor
-
-    return map_tensors(place, value)
-
-
-def tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in `value` (nested dicts, lists, tuples, dataclasses), in order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from tensors(getattr(value, f.name))
-
-
-def describe(value: Any) -> str:
-    """`int64 2x17`: a tensor's dtype and shape, or the type of anything else."""
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {'x'.join(map(str, value.shape)) or 'scalar'}"
-    return type(value).__name__
 
 
 @dataclass
@@ -144,36 +77,6 @@ def _size(targets: Any, args: tuple, kwargs: dict) -> int:
     return len(targets) if hasattr(targets, "__len__") else 1
 
 
-def _parts(raw: Any) -> list[str]:
-    """The names of a batch's parts: keys, fields, or indices."""
-    if isinstance(raw, Mapping):
-        return [str(key) for key in raw]
-    if hasattr(raw, "_fields"):
-        return list(raw._fields)
-    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
-        return [f.name for f in dataclasses.fields(raw)]
-    if isinstance(raw, (tuple, list)):
-        return [str(index) for index in range(len(raw))]
-    return []
-
-
-def part(raw: Any, name: str, key: str, what: str = "the batch") -> Any:
-    """The part `name` of a batch or of a model's outputs (`what`): a key, an attribute, or an index; BadInput
-    naming `key` when it has none."""
-    if isinstance(raw, Mapping):
-        if name in raw:
-            return raw[name]
-    elif name.isdigit() and isinstance(raw, (tuple, list)):
-        if int(name) < len(raw):
-            return raw[int(name)]
-    elif hasattr(raw, name) and not callable(getattr(raw, name)):
-        return getattr(raw, name)
-    parts = _parts(raw)
-    raise BadInput(f"{key}: {what} has no part '{name}'; its parts are "
-                   f"{', '.join(parts) if parts else 'none (it is a ' + type(raw).__name__ + ')'}. Name one of them "
-                   "(a dict's key, a dataclass's field, a tuple's index).")
-
-
 @dataclass(frozen=True)
 class BatchLayout:
     """Which parts of a loader's batch are the model's inputs and which is the target (`task.inputs`,
@@ -199,13 +102,13 @@ class BatchLayout:
         if self.target is None:
             if isinstance(raw, (tuple, list)) and len(raw) == 2:
                 return dataclasses.replace(Batch.pair(raw[0], raw[1]), labels=self.labels)
-            parts = _parts(raw)
+            parts = part_names(raw)
             raise BadInput(f"task.target: a batch here is {type(raw).__name__}"
                            f"{' with parts ' + ', '.join(parts) if parts else ''}, not an (inputs, targets) pair: "
                            "name its parts with task.inputs and task.target (e.g. task.inputs: [input_ids, "
                            "attention_mask], task.target: labels).")
         targets = part(raw, self.target, "task.target")
-        names = self.inputs or tuple(name for name in _parts(raw) if name != self.target)
+        names = self.inputs or tuple(name for name in part_names(raw) if name != self.target)
         args, kwargs = [], {}
         for name in names:
             if name == self.labels:

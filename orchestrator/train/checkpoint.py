@@ -58,7 +58,7 @@ def manifest_file(rank: int) -> str:
     return f"manifest_rank{rank}.json"
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -80,12 +80,12 @@ def write_checkpoint_files(directory: Path, rank: int, shared: Optional[dict[str
     written = {}
     if shared is not None:
         _save_atomically(shared, directory / STATE_FILE, save)
-        written[STATE_FILE] = _sha256(directory / STATE_FILE)
+        written[STATE_FILE] = sha256(directory / STATE_FILE)
     if facts is not None:
         _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
-        written[FACTS_FILE] = _sha256(directory / FACTS_FILE)
+        written[FACTS_FILE] = sha256(directory / FACTS_FILE)
     _save_atomically(own, directory / rank_file(rank), save)
-    written[rank_file(rank)] = _sha256(directory / rank_file(rank))
+    written[rank_file(rank)] = sha256(directory / rank_file(rank))
     (directory / manifest_file(rank)).write_text(json.dumps(written))
 
 
@@ -158,7 +158,7 @@ def _verified(directory: Path, rank: int, name: str) -> Path:
     except (ValueError, KeyError):
         raise CorruptCheckpoint(f"{manifest.name} does not list {name}") from None
     path = directory / name
-    if not path.is_file() or _sha256(path) != expected:
+    if not path.is_file() or sha256(path) != expected:
         raise CorruptCheckpoint(f"{name} is missing or does not match {manifest.name} (truncated or corrupt)")
     return path
 

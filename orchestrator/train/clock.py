@@ -93,8 +93,8 @@ class WindowClock:
             parts["compute"] = sum(start.elapsed_time(end) for start, end in self.steps) / 1000
             # The device's idle gap before each step: a wait for data counts as far as it left the device idle.
             previous = [self.before_first, *(end for _, end in self.steps[:-1])]
-            gaps = [prior.elapsed_time(start) / 1000 if prior is not None else wait
-                    for prior, (start, _) in zip(previous, self.steps)]
+            gaps = [prior.elapsed_time(start) / 1000 if prior is not None else wait  # the first: no step before
+                    for prior, (start, _), wait in zip(previous, self.steps, self.waits)]
             parts["data"] = sum(min(wait, gap) for wait, gap in zip(self.waits, gaps))
             excess = sum(parts.values()) - wall
             for name in ("comm", "data"):  # the host waited for the device there: that was compute

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.config.names import TORCHVISION_DATASETS, check_dataset_name
-from orchestrator.config.workers import Workers
+from orchestrator.config.job import Job
 from orchestrator.errors import BadInput, DataUnavailable
-from orchestrator.train import vision
+from orchestrator.train import cuda_defaults, vision
 from orchestrator.train.batch import Batches, BatchLayout
 from orchestrator.train.samplers import Elastic, ElasticSampler, ResumableSampler, ShardSampler, train_shard
 
@@ -157,6 +157,10 @@ class RepeatedSamples(TensorDataset):
 
     def __len__(self) -> int:
         return self.length
+
+    def device_bytes(self) -> int:
+        """Bytes of every sample held on the device (`orchestrator.train.cuda_defaults.loader`)."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors) * len(self)
 
 
 def _synthetic(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
@@ -357,12 +361,10 @@ def build_rank_loaders(cfg, rank: int, world_size: int, device: torch.device) ->
     yields `Batch`es, and the train loader's `position.set_position(epoch, batches_done, batch_size)` starts an
     epoch where a checkpoint left off."""
     train_set, eval_set = build_datasets(cfg.data, cfg.model.num_classes)
-    workers = Workers.of(cfg.scaling)
+    workers = Job.of(cfg).workers
     elastic = Elastic(cfg.run.accumulate_steps, workers.max) if workers.elastic else None
     shard = dict(batch_size=cfg.run.batch_size, rank=rank, world_size=world_size, seed=cfg.run.seed, elastic=elastic)
-    from orchestrator.train import fast
-
-    if fast.loader(cfg, (train_set, eval_set), device) == "device":  # on the device: batches are slices, no copies
+    if cuda_defaults.loader(cfg, (train_set, eval_set), device) == "device":  # batches are slices there: no copies
         train, evaluation, position = build_device_loaders(train_set, eval_set, augment=cfg.data.augment,
                                                            device=device, **shard)
     else:

@@ -3,7 +3,7 @@
 import torch
 
 from orchestrator.train.collectives import all_reduce
-from orchestrator.train.modes import eval_mode
+from orchestrator.common.modes import eval_mode
 from orchestrator.train.task import SummedMetric, TorchMetric, fp32
 from orchestrator.train.training import Training
 

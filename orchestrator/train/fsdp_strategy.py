@@ -16,21 +16,27 @@ a promotion rebuilds from), `load_shards`.
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
 
+from orchestrator.config.job import Job
+from orchestrator.config.strategies import FSDP
 from orchestrator.precision import Precision
-from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, prepare
-from orchestrator.precision.policy import LayerPlan, Policy
+from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, plan_units, prepare
+from orchestrator.precision.policy import LayerPlan, Policy, plan
 from orchestrator.train import fsdp, fsdp_memory, sharded_checkpoint
-from orchestrator.train.checkpoint import Candidate
+from orchestrator.train.checkpoint import STATE_FILE, Candidate, CorruptCheckpoint
+from orchestrator.train.collectives import all_agree
 from orchestrator.train.state import TrainState
+
+Built = TypeVar("Built")
+"""What a resume builds from the state it found (`orchestrator.train.training.Training`)."""
 
 
 class FsdpStrategy:
-    name = "fsdp"
+    choice = FSDP
 
     def __init__(self, settings: FsdpSettings, device: torch.device, rank: int, world_size: int):
         self.settings, self.device, self.rank, self.world_size = settings, device, rank, world_size
@@ -41,6 +47,53 @@ class FsdpStrategy:
     @classmethod
     def from_config(cls, cfg: Any, device: torch.device, rank: int, world_size: int) -> "FsdpStrategy":
         return cls(FsdpSettings.from_config(cfg.scaling, cfg.precision), device, rank, world_size)
+
+    @classmethod
+    def build(cls, cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Any = None) -> "FsdpStrategy":
+        """The job's FSDP for one build of the model (`wrap`, DDP's, is not used)."""
+        return cls.from_config(cfg, device, rank, world_size)
+
+    # -- before the build: pre-flight, resuming, the trained model ------------------------------------------------
+
+    @staticmethod
+    def check_plan(cfg: Any, model: nn.Module, batch: Any = None) -> None:
+        """Pre-flight: the units and their policies can be planned on the CPU model (BadInput naming the rule, the
+        `scaling.fsdp.wrap` glob or the model's `fsdp_units` entry that cannot be)."""
+        policy = Job.of(cfg).policy
+        plan_units(model, policy, plan(model, policy), FsdpSettings.from_config(cfg.scaling, cfg.precision))
+
+    @staticmethod
+    def resume(candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,
+               build: Callable[[Optional[TrainState]], Built], agree: Callable[[bool], bool]
+               ) -> tuple[Optional[TrainState], list[str], Built]:
+        """The build comes first (the policy, and so the units, depend on the state's promoted layers), then the
+        shards are loaded into it while the checkpoint is still open."""
+
+        def read(directory: Path) -> TrainState:
+            return TrainState.from_files(*sharded_checkpoint.read_rank_files(directory, rank))
+
+        def use(directory: Path, state: TrainState) -> tuple[TrainState, Built]:
+            training = build(state)
+            training.strategy.load_shards(directory, training.optimizer)
+            return state, training
+
+        found, warnings = sharded_checkpoint.newest_valid_sharded(candidates, rank, world_size, read, use, agree)
+        if found is None:
+            return None, warnings, build(None)
+        return found[0], warnings, found[1]
+
+    @staticmethod
+    def load_trained_weights(directory: Path, model: nn.Module) -> TrainState:
+        """The weights in the shards, read whole (`read_full_model`: no process group, nothing unpickled); the train
+        state without the model and optimizer, which its shards hold."""
+        sharded_checkpoint.verify_sharded_checkpoint(directory, rank=0, world_size=1)  # every writer's files
+        shared = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        try:
+            state = TrainState.from_files(shared, None)
+        except ValueError as exc:
+            raise CorruptCheckpoint(f"{directory.name}: {exc}") from None
+        model.load_state_dict(sharded_checkpoint.read_full_model(directory, model))
+        return state
 
     # -- the model ----------------------------------------------------------------------------------------
 
@@ -135,7 +188,7 @@ class FsdpStrategy:
         warnings). A collective."""
         return sharded_checkpoint.load_newest_valid_sharded(
             candidates, self.rank, self.world_size, self.model, optimizer,
-            agree or (lambda ok: sharded_checkpoint.all_ranks_agree(ok, self.device)))
+            agree or (lambda ok: all_agree(ok, self.device)))
 
     # -- memory ----------------------------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ from orchestrator.train.checkpoint import Candidate, local_candidates
 from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s
-from orchestrator.train.memory import allocator_env
-from orchestrator.train.report import Report
+from orchestrator.train.allocator import allocator_env
+from orchestrator.common.report import Report
 
 
 class LocalSession:
@@ -68,6 +68,7 @@ def exit_rank() -> NoReturn:
 
 def _rank_main(rank: int, job: dict[str, Any], world_size: int, directory: str, result: str) -> None:
     cfg = OmegaConf.create(job)
+    OmegaConf.set_readonly(cfg, True)  # read, never changed: its parts are built once (`orchestrator.config.job`)
     use_gpu = cfg.scaling.use_gpu and torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_gpu else torch.device("cpu")
     if use_gpu:

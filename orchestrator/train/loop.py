@@ -45,9 +45,10 @@ from orchestrator.train.hooks.param_groups import ParamGroupTable
 from orchestrator.train.hooks.throughput import Throughput
 from orchestrator.train.hooks.timing import TimeToFirstStep
 from orchestrator.train.hooks.watchdog import Watchdog
-from orchestrator.train.report import Report, checkpoint_score
+from orchestrator.common.report import Report, checkpoint_score
 from orchestrator.train.preemption import Preempted, PreemptionCheck
-from orchestrator.train.resume import CheckpointFacts, Layout, Resumed, check_resume
+from orchestrator.config.job import Job
+from orchestrator.train.resume import CheckpointFacts, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
 from orchestrator.train.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
@@ -107,7 +108,7 @@ class TrainingLoop:
         self.train_loader, self.eval_loader, self.position = build_rank_loaders(cfg, self.rank, self.world_size,
                                                                                 self.device)
         # Both loaders walk a DistributedSampler over the training set (an elastic run: `ElasticSampler`).
-        self.layout = Layout.of(cfg, len(self.position.dataset), self.world_size)
+        self.layout = Job.of(cfg).layout(len(self.position.dataset), self.world_size)
         self.steps_per_epoch = self.layout.steps_per_epoch
 
         # The newest checkpoint every rank can read (a damaged one is skipped with a warning), where it goes on
@@ -351,7 +352,7 @@ class TrainingLoop:
     def build_resumed(self, state: Optional[TrainState]) -> Training:
         """`build` for the run's start: first where `state` (the checkpoint resumed, None afresh) goes on under this
         job, or IncompatibleResume; that decides the run's total steps, which the schedule is built for."""
-        job = Layout.of(self.cfg, self.layout.train_samples, self.world_size)
+        job = Job.of(self.cfg).layout(self.layout.train_samples, self.world_size)
         self.resumed = check_resume(CheckpointFacts.of_state(state), job, f"the checkpoint of step "
                                     f"{state.global_step}") if state is not None else None
         self.total_steps = self.resumed.total_steps if self.resumed is not None else job.total_steps

@@ -28,7 +28,7 @@ from orchestrator.config.imports import is_import_path
 from orchestrator.config.optim import (IMPLEMENTATION_FLAGS, OPTIMIZERS, accepts, optimizer_class, plain,
                                        schedule_call, schedule_target)
 from orchestrator.errors import BadInput
-from orchestrator.precision.outcome import StepOutcome
+from orchestrator.precision.step_outcome import StepOutcome
 
 ONECYCLE_WARMUP = 0.25
 """onecycle's warmup (its `pct_start`) when `optim.warmup_fraction` is null."""
@@ -47,7 +47,7 @@ def section_settings(optim_cfg, fused: bool = False) -> dict[str, Any]:
 
     A built-in gets its own fields (`momentum`, `betas`, ...); an import-path optimizer gets `lr`, `weight_decay`
     when it takes one, and the `implementation` flag; `optim.kwargs` go to both. `fused`: `auto` means the fused
-    kernel (`orchestrator.train.fast.fused_optimizer`)."""
+    kernel (`orchestrator.train.cuda_defaults.fused_optimizer`)."""
     cls = optimizer_class(optim_cfg)
     name = optim_cfg.name
     settings: dict[str, Any] = {"lr": optim_cfg.lr}

@@ -21,11 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from orchestrator.errors import EXIT_TERMINATED
 from orchestrator.train.collectives import spans_ranks
-
-EXIT_ON_SIGTERM = 128 + signal.SIGTERM
-"""What a process still running when the grace period is over exits with."""
-
 
 class Notice:
     """Whether this process got a preemption notice, and when (wall clock)."""
@@ -52,7 +49,7 @@ def install_notice_handler(grace_s: float) -> bool:
         print(f"ampflow: SIGTERM (a preemption notice, or Ray Train ending the worker group): checkpointing at the "
               f"next step boundary; ending within {grace_s:g} s (failure.preemption_grace_s)", file=sys.stderr,
               flush=True)
-        timer = threading.Timer(grace_s, os._exit, args=(EXIT_ON_SIGTERM,))
+        timer = threading.Timer(grace_s, os._exit, args=(EXIT_TERMINATED,))
         timer.daemon = True
         timer.start()
 

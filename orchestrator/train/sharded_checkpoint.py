@@ -22,7 +22,6 @@ it is (asking torch for its state would first create it, stepping it once at lea
 MLflow model and the export come from the shards).
 """
 
-import hashlib
 import io
 import json
 import os
@@ -34,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -45,22 +43,14 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
+from orchestrator.config.strategies import DDP, FSDP, manifest_strategy
 from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
-                                           manifest_file, rank_file, write_failure)
-from orchestrator.train.collectives import spans_ranks
+                                           manifest_file, rank_file, sha256, write_failure)
 from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
 METADATA = f"{SHARDED_DIR}/.metadata"
-STRATEGY = "fsdp"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+STRATEGY = FSDP.name
 
 
 # -- reading without unpickling ------------------------------------------------------------------------------
@@ -142,7 +132,7 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
     _save_atomically(own, directory / rank_file(rank), save)
     files.append(rank_file(rank))
     manifest = {"strategy": STRATEGY, "world_size": world_size,
-                "files": {name: _sha256(directory / name) for name in files}}
+                "files": {name: sha256(directory / name) for name in files}}
     (directory / manifest_file(rank)).write_text(json.dumps(manifest))
 
 
@@ -191,8 +181,8 @@ def _manifest(directory: Path, rank: int) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except ValueError:
         raise CorruptCheckpoint(f"{path.name} is not JSON (truncated or corrupt)") from None
-    if not isinstance(manifest, dict) or manifest.get("strategy") != STRATEGY:
-        strategy = manifest.get("strategy", "ddp") if isinstance(manifest, dict) else "?"
+    if manifest_strategy(manifest) is not FSDP:
+        strategy = manifest.get("strategy", DDP.name) if isinstance(manifest, dict) else "?"
         raise CorruptCheckpoint(f"{path.name}: written under scaling.strategy {strategy!r}, not 'fsdp': resume it "
                                 "with the strategy that wrote it")
     if not isinstance(manifest.get("world_size"), int) or not isinstance(manifest.get("files"), dict):
@@ -214,7 +204,7 @@ def verify_sharded_checkpoint(directory: Path, rank: int, world_size: int) -> No
             if writer not in mine and not reads_it:
                 continue
             path = directory / name
-            if not path.is_file() or _sha256(path) != expected:
+            if not path.is_file() or sha256(path) != expected:
                 raise CorruptCheckpoint(f"{name} is missing or does not match {manifest_file(writer)} "
                                         "(truncated or corrupt)")
     try:
@@ -320,11 +310,3 @@ def newest_valid_sharded(candidates: Sequence[Candidate], rank: int, world_size:
         return None, []
     raise CorruptCheckpoint(f"no usable checkpoint in {candidates[0][0].rsplit('/', 1)[0]}: "
                             + " ".join(warnings) + " Start the job afresh (without --resume) or restore the files.")
-
-
-def all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    """True when `ok` on every rank (one all-reduce)."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    if spans_ranks():
-        dist.all_reduce(flag)
-    return float(flag) == 0.0

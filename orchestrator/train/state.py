@@ -70,7 +70,7 @@ class TrainState:
     (`orchestrator.train.batch.InputExample.state()`): the logged model's signature and input example. Empty in
     checkpoints written before it was kept: the logged model then takes `sample_shape` float32 inputs."""
     layout: dict[str, Any] = field(default_factory=dict)
-    """How the run walked its data (`orchestrator.train.resume.Layout`: world size, batch size, accumulation,
+    """How the run walked its data (`orchestrator.config.layout.Layout`: world size, batch size, accumulation,
     training samples, steps per epoch, epochs, total steps, schedule); {} in checkpoints written before it was
     recorded."""
     rank: Optional[RankState] = None
@@ -141,7 +141,7 @@ _FLAT_RECORDS = {"amp/overflow_log": "overflow_records", "system_samples": "syst
 
 def flat_report_to_wire(flat: dict[str, Any]) -> dict[str, Any]:
     """A report as checkpoints of format 1 and 2 kept it (one flat dict of metrics and control keys), in the
-    wire form of `orchestrator.train.report.Report`."""
+    wire form of `orchestrator.common.report.Report`."""
     wire: dict[str, Any] = {key: int(flat[key]) for key in _PLACE if key in flat}
     wire["metrics"] = {key: value for key, value in flat.items() if key not in _PLACE
                        and isinstance(value, (int, float)) and not isinstance(value, bool)}

@@ -1,9 +1,10 @@
-"""How the model is spread over the ranks (`scaling.strategy`): DDP or FSDP2, behind one set of methods.
+"""How the model is spread over the ranks (`scaling.strategy`): DDP or FSDP2, each one class behind one set of methods.
 
-The training build (`orchestrator.train.training`), the step (`no_sync`, `clip`), the loop's checkpoints
-(`staged_checkpoint`, `resume`) and the final model (`load_trained_weights`) call a strategy; only the
-strategy knows whether each rank holds the whole model (`DdpStrategy`) or its shards (`FsdpStrategy`,
-`orchestrator.train.fsdp_strategy`):
+Pre-flight (`check_plan`), the training build (`orchestrator.train.training`), the step (`no_sync`, `clip`), the
+loop's checkpoints (`staged_checkpoint`, `resume`) and the final model (`load_trained_weights`) call a strategy;
+only the strategy knows whether each rank holds the whole model (`DdpStrategy`) or its shards (`FsdpStrategy`,
+`orchestrator.train.fsdp_strategy`). The job's choice (`orchestrator.config.strategies`) finds its class
+(`strategy_class`), and nothing else tells the two apart:
 
 | method | DDP | FSDP |
 | --- | --- | --- |
@@ -14,6 +15,9 @@ strategy knows whether each rank holds the whole model (`DdpStrategy`) or its sh
 | `checkpoint_state` | fp32 weights and the optimizer in train_state.pt | none there: the shards in `sharded/` (DCP) |
 | `snapshot_state` (rollback, promotion) | the same | this rank's shards |
 | `full_state_dict()` | the fp32 weights (any rank) | gathered to rank 0's CPU (a collective) |
+| `check_plan(cfg, model, batch)` (pre-flight) | the policy kept on a CPU copy | the units planned |
+| `resume(...)` (before the build) | the state holds weights and optimizer | the build first, then the shards |
+| `load_trained_weights(directory, model)` | from train_state.pt | the shards read whole |
 
 Each strategy object belongs to one build of the model (a rollback or promotion builds a new one).
 """
@@ -21,24 +25,24 @@ Each strategy object belongs to one build of the model (a rollback or promotion 
 import json
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
 
-from orchestrator.precision import Policy, Precision, plan
-from orchestrator.precision.fsdp import FsdpSettings, plan_units
-from orchestrator.precision.scaling import clip as clip_gradients
-from orchestrator.train.checkpoint import (STATE_FILE, Candidate, CorruptCheckpoint, load_newest_valid, manifest_file,
-                                           read_checkpoint, staged_checkpoint)
+from orchestrator.config.job import Job
+from orchestrator.config.strategies import DDP, FSDP, StrategyChoice, manifest_strategy
+from orchestrator.precision import Precision
+from orchestrator.precision.guarded_step import clip as clip_gradients
+from orchestrator.precision.kept import check_policy_kept
+from orchestrator.train.checkpoint import (Candidate, load_newest_valid, manifest_file, read_checkpoint,
+                                           staged_checkpoint)
 from orchestrator.train.collectives import all_agree
 from orchestrator.train.ddp import Wrap, ddp_wrap
 from orchestrator.train.state import TrainState
 
-if TYPE_CHECKING:
-    from orchestrator.train.training import Training
-
-STRATEGIES = ("ddp", "fsdp")
+Built = TypeVar("Built")
+"""What a resume builds from the state it found (`orchestrator.train.training.Training`)."""
 
 
 class IncompatibleStrategy(ValueError):
@@ -46,7 +50,7 @@ class IncompatibleStrategy(ValueError):
 
 
 class Strategy(Protocol):
-    name: str
+    choice: StrategyChoice
 
     def prepare(self, model: nn.Module, precision: Precision) -> nn.Module: ...
 
@@ -77,12 +81,43 @@ class DdpStrategy:
     """Every rank holds the whole model: the precision policy casts it (with fp32 masters where it says so), then
     DistributedDataParallel wraps it (`wrap`: Ray Train's `prepare_model` on a Ray Train worker)."""
 
-    name = "ddp"
+    choice = DDP
 
     def __init__(self, cfg: Any, rank: int, wrap: Optional[Wrap] = None):
         self.rank, self.wrap = rank, wrap or ddp_wrap(cfg)
         self.model: Optional[nn.Module] = None
         self.precision: Optional[Precision] = None
+
+    @classmethod
+    def build(cls, cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Optional[Wrap] = None
+              ) -> "DdpStrategy":
+        return cls(cfg, rank, wrap)
+
+    # -- before the build: pre-flight, resuming, the trained model ------------------------------------------------
+
+    @staticmethod
+    def check_plan(cfg: Any, model: nn.Module, batch: Any = None) -> None:
+        """Pre-flight: the policy can be kept, on a copy of the model cast and run on `batch` (the first training
+        batch; nothing checked without one)."""
+        if batch is not None:
+            check_policy_kept(cfg, model, batch, Job.of(cfg).policy)
+
+    @staticmethod
+    def resume(candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,
+               build: Callable[[Optional[TrainState]], Built], agree: Callable[[bool], bool]
+               ) -> tuple[Optional[TrainState], list[str], Built]:
+        """The state holds the weights and the optimizer, and the build loads them."""
+        state, warnings = load_newest_valid(candidates, rank, agree)
+        return state, warnings, build(state)
+
+    @staticmethod
+    def load_trained_weights(directory: Path, model: nn.Module) -> TrainState:
+        """The fp32 weights from rank 0's train_state.pt."""
+        state = read_checkpoint(directory, rank=0)
+        model.load_state_dict(state.model)
+        return state
+
+    # -- the built model -----------------------------------------------------------------------------------------
 
     def prepare(self, model: nn.Module, precision: Precision) -> nn.Module:
         precision.prepare(model)
@@ -120,28 +155,43 @@ class DdpStrategy:
         return staged_checkpoint(self.rank, shared, own, step, facts=facts)
 
 
+def strategy_class(choice: StrategyChoice) -> type:
+    """The class of a `scaling.strategy` (`DdpStrategy`, `FsdpStrategy`)."""
+    if choice is FSDP:
+        from orchestrator.train.fsdp_strategy import FsdpStrategy  # torch's FSDP: seconds to import, FSDP runs only
+
+        return FsdpStrategy
+    return DdpStrategy
+
+
+def job_strategy(cfg: Any) -> type:
+    """The class of the job's `scaling.strategy`."""
+    return strategy_class(Job.of(cfg).strategy)
+
+
 def make_strategy(cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Optional[Wrap] = None
                   ) -> Strategy:
     """The job's `scaling.strategy` for one build of the model. `wrap` (DDP only): how the cast model is wrapped."""
-    if cfg.scaling.strategy == "fsdp":
-        from orchestrator.train.fsdp_strategy import FsdpStrategy  # torch's FSDP: seconds to import, FSDP runs only
-
-        return FsdpStrategy.from_config(cfg, device, rank, world_size)
-    return DdpStrategy(cfg, rank, wrap)
+    return job_strategy(cfg).build(cfg, device, rank, world_size, wrap)
 
 
 # -- which strategy wrote a checkpoint ------------------------------------------------------------------------
 
+def _rank0_manifest(directory: Path) -> Any:
+    """Rank 0's manifest in a checkpoint directory; None when it is missing or not JSON."""
+    try:
+        return json.loads((Path(directory) / manifest_file(0)).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def written_under(directory: Path) -> Optional[str]:
     """The `scaling.strategy` a checkpoint directory was written under, from rank 0's manifest (a DDP manifest lists
     only files); None when there is no readable manifest (an incomplete checkpoint: its loader says so)."""
-    try:
-        manifest = json.loads((Path(directory) / manifest_file(0)).read_text())
-    except (OSError, ValueError):
-        return None
+    manifest = _rank0_manifest(directory)
     if not isinstance(manifest, dict):
         return None
-    strategy = manifest.get("strategy", "ddp")
+    strategy = manifest.get("strategy", DDP.name)
     return strategy if isinstance(strategy, str) else None
 
 
@@ -164,36 +214,17 @@ def _checked(where: str, open_directory: Callable[[], AbstractContextManager[str
 # -- resuming ---------------------------------------------------------------------------------------------------
 
 def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,
-           build: Callable[[Optional[TrainState]], "Training"]
-           ) -> tuple[Optional[TrainState], list[str], "Training"]:
+           build: Callable[[Optional[TrainState]], Built]
+           ) -> tuple[Optional[TrainState], list[str], Built]:
     """The newest checkpoint every rank can read, and the training built from it (`build(state)`; afresh without
     one): (its state, a warning for each newer one skipped, the training). A collective.
 
-    Under DDP the state holds the weights and the optimizer, and the build loads them. Under FSDP the build comes
-    first (the policy, and so the units, depend on the state's promoted layers), then the shards are loaded into
-    it while the checkpoint is still open. A checkpoint written under the other strategy is refused
-    (IncompatibleStrategy) rather than skipped: every checkpoint of the run was.
+    Each strategy resumes its own way (`DdpStrategy.resume`, `FsdpStrategy.resume`). A checkpoint written under
+    the other strategy is refused (IncompatibleStrategy) rather than skipped: every checkpoint of the run was.
     """
     strategy = cfg.scaling.strategy
     candidates = [(where, _checked(where, opener, strategy)) for where, opener in candidates]
-    agree = lambda ok: all_agree(ok, device)  # noqa: E731
-    if strategy != "fsdp":
-        state, warnings = load_newest_valid(candidates, rank, agree)
-        return state, warnings, build(state)
-    from orchestrator.train import sharded_checkpoint  # torch.distributed.checkpoint: FSDP runs only
-
-    def read(directory: Path) -> TrainState:
-        return TrainState.from_files(*sharded_checkpoint.read_rank_files(directory, rank))
-
-    def use(directory: Path, state: TrainState) -> tuple[TrainState, "Training"]:
-        training = build(state)
-        training.strategy.load_shards(directory, training.optimizer)
-        return state, training
-
-    found, warnings = sharded_checkpoint.newest_valid_sharded(candidates, rank, world_size, read, use, agree)
-    if found is None:
-        return None, warnings, build(None)
-    return found[0], warnings, found[1]
+    return job_strategy(cfg).resume(candidates, rank, world_size, device, build, lambda ok: all_agree(ok, device))
 
 
 # -- the trained model, on the driver ------------------------------------------------------------------------------
@@ -201,34 +232,20 @@ def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int
 def load_trained_weights(checkpoint: Any, model: nn.Module) -> TrainState:
     """Load a (verified) checkpoint's fp32 weights into `model`, the job's plain model built in this process (the
     driver: the logged MLflow model, the export); returns the checkpoint's train state (the inputs it trained on;
-    under FSDP without the model and optimizer, which its shards hold). A DDP checkpoint keeps the
-    weights in train_state.pt; an FSDP one keeps them in its shards, read here whole (`read_full_model`: no
-    process group, nothing unpickled). `checkpoint`: anything with `as_directory()`, as Ray Train's Checkpoint."""
+    under FSDP without the model and optimizer, which its shards hold). The strategy that wrote it reads it
+    (`DdpStrategy.load_trained_weights`, `FsdpStrategy.load_trained_weights`). `checkpoint`: anything with
+    `as_directory()`, as Ray Train's Checkpoint."""
     with checkpoint.as_directory() as opened:
         directory = Path(opened)
-        if written_under(directory) != "fsdp":
-            state = read_checkpoint(directory, rank=0)
-            model.load_state_dict(state.model)
-            return state
-        from orchestrator.train import sharded_checkpoint  # torch.distributed.checkpoint: FSDP checkpoints only
-
-        sharded_checkpoint.verify_sharded_checkpoint(directory, rank=0, world_size=1)  # every writer's files
-        shared = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
-        try:
-            state = TrainState.from_files(shared, None)
-        except ValueError as exc:
-            raise CorruptCheckpoint(f"{directory.name}: {exc}") from None
-        model.load_state_dict(sharded_checkpoint.read_full_model(directory, model))
-        return state
+        written = manifest_strategy(_rank0_manifest(directory))
+        return strategy_class(written or DDP).load_trained_weights(directory, model)
 
 
 # -- pre-flight ------------------------------------------------------------------------------------------------------
 
-def check_plan(cfg: Any, model: nn.Module) -> None:
-    """Pre-flight (on the CPU model): under `scaling.strategy: fsdp`, the units and their policies can be planned.
-    A rule FSDP cannot honour, a `scaling.fsdp.wrap` glob matching no module holding parameters, or a model's
-    `fsdp_units` naming no submodule is BadInput naming it."""
-    if cfg.scaling.strategy != "fsdp":
-        return
-    policy = Policy.from_config(cfg.precision)
-    plan_units(model, policy, plan(model, policy), FsdpSettings.from_config(cfg.scaling, cfg.precision))
+def check_plan(cfg: Any, model: nn.Module, batch: Any = None) -> None:
+    """Pre-flight (on the CPU model), each strategy its own: under DDP the policy kept on a cast copy of the model run
+    on `batch` (the first training batch); under FSDP the units and their policies can be planned. A rule FSDP
+    cannot honour, a `scaling.fsdp.wrap` glob matching no module holding parameters, or a model's `fsdp_units`
+    naming no submodule is BadInput naming it."""
+    job_strategy(cfg).check_plan(cfg, model, batch)

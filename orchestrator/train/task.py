@@ -21,9 +21,8 @@ whole. `task.loss: model` is the loss the model returns (its outputs' `loss`), t
 """
 
 import warnings
-from collections.abc import Mapping
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,8 @@ import torch.nn.functional as F
 from orchestrator.config.imports import resolve_import_path
 from orchestrator.config.names import check_loss_name, is_torchmetrics_class, snake_case
 from orchestrator.errors import BadInput
-from orchestrator.train.batch import MODEL_LOSS, map_tensors, part
+from orchestrator.common.values import map_tensors, prediction
+from orchestrator.train.batch import MODEL_LOSS
 
 Loss = Callable[[Any, Any], torch.Tensor]
 
@@ -39,19 +39,6 @@ Loss = Callable[[Any, Any], torch.Tensor]
 def fp32(outputs: Any) -> Any:
     """The outputs with every floating tensor in float32 (what losses and metrics are given)."""
     return map_tensors(lambda t: t.float() if t.is_floating_point() else t, outputs)
-
-
-def prediction(outputs: Any, output: Optional[str] = None) -> Any:
-    """The part of a model's outputs that is its prediction: the key, attribute or index `output` names (BadInput
-    naming `task.output` where there is none), else `logits` where the outputs have it, else the outputs."""
-    if output is not None:
-        return part(outputs, str(output), "task.output", "the model's output")
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):
-        return outputs["logits"] if "logits" in outputs else outputs
-    logits = getattr(outputs, "logits", None)
-    return logits if isinstance(logits, torch.Tensor) else outputs
 
 
 def _as_outputs(targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:

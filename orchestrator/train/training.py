@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from orchestrator.config.job import Job
 from orchestrator.precision import Precision
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
 from orchestrator.precision.ledger import param_bytes_by_dtype
-from orchestrator.train import fast, task
+from orchestrator.train import cuda_defaults, task
 from orchestrator.train.batch import Batch
 from orchestrator.precision.shards import local
 from orchestrator.train.models import build_model
-from orchestrator.train.modes import freeze_norm, train_mode
+from orchestrator.common.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler, should_step_schedule
 from orchestrator.train.resume import IncompatibleResume, model_mismatch
@@ -139,7 +140,8 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     strategy: under DDP cast by its precision and only then wrapped by `wrap` (default: `ddp_wrap(cfg)`); under
     FSDP planned into units and sharded (`wrap` is not used)."""
     promoted = list(state.promoted) if state is not None else []
-    precision = Precision(cfg.precision, device, rank=rank, world_size=world_size, promoted=promoted)
+    precision = Precision(cfg.precision, device, rank=rank, world_size=world_size, promoted=promoted,
+                          policy=Job.of(cfg).policy)
     strategy = make_strategy(cfg, device, rank, world_size, wrap)
     model = build_model(cfg.model)
     if state is not None:
@@ -149,8 +151,8 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
             raise IncompatibleResume(f"model: {mismatch} (model.name={cfg.model.name}): the checkpoint was trained "
                                      "with another model. Set the model back, or start a new run without --resume.")
         strategy.load_weights(model, state)
-    memory_format = torch.channels_last if fast.channels_last(cfg, model, device) else torch.contiguous_format
-    fast.set_cudnn_benchmark(cfg, device)
+    memory_format = torch.channels_last if cuda_defaults.channels_last(cfg, model, device) else torch.contiguous_format
+    cuda_defaults.set_cudnn_benchmark(cfg, device)
     train_mode(model)  # the model's own train() runs (an override keeping norms in eval); frozen modules stay so
     if cfg.run.freeze_norm:  # at every (re)build: a resumed or rolled-back run stays frozen too
         freeze_norm(model)
@@ -161,7 +163,7 @@ def build_training(cfg, device: torch.device, *, rank: int = 0, world_size: int 
     prepared = PreparedModel(wrapped, model, sum(param_bytes_by_dtype(model).values()), memory_format, compile_options)
     # Grouped by name: masters (DDP) and shards (FSDP) follow their parameter's group.
     optimizer = build_optimizer(cfg.optim, strategy.named_optimizer_params(), model,
-                                fused=fast.fused_optimizer(cfg, device))
+                                fused=cuda_defaults.fused_optimizer(cfg, device))
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     if state is not None:
         strategy.load_state(optimizer, state)

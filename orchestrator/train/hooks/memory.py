@@ -2,13 +2,29 @@
 the first step has measured them, and every epoch the peaks of every rank and what each rank holds of the model's
 state. The ledger measures the rank it runs on (rank 0's figures are logged): under FSDP its shards."""
 
+import resource
+import sys
 from typing import Any, Optional
 
 import torch
 
 from orchestrator.train.collectives import per_rank
 from orchestrator.train.hooks import Hook
-from orchestrator.train.memory import peak_bytes, peak_reserved_bytes
+
+
+def peak_bytes(device: torch.device) -> int:
+    """CUDA max allocated on a GPU; this process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def peak_reserved_bytes(device: torch.device) -> Optional[int]:
+    """CUDA max reserved by the caching allocator; None on the CPU (RSS already covers it)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
 
 
 class MemoryReport(Hook):

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from orchestrator.train.collectives import all_reduce
 from orchestrator.train.hooks import Hook
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 MAX_UNLOGGED = 1000
 """Most reports a rank keeps for a resumed run to send again (a driver cut off from MLflow for that long loses

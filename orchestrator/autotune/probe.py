@@ -26,8 +26,9 @@ from orchestrator.precision.attention import meeting_groups, producing_layers
 from orchestrator.precision.dtypes import parse_dtype
 from orchestrator.precision.float8 import FLOAT8, convert_float8, float8_layers, float8_linear
 from orchestrator.precision.policy import Policy, apply, plan
-from orchestrator.train.batch import Batch, tensors
-from orchestrator.tune.devices import Work
+from orchestrator.common.values import tensors
+from orchestrator.train.batch import Batch
+from orchestrator.autotune.devices import Work
 
 PROBE_SEED = 0
 """The seed every pass of the probe starts from (its reference and each lowered model alike)."""

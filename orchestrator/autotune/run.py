@@ -20,11 +20,11 @@ from orchestrator.train import task
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.models import build_model
 from orchestrator.train.rng import seed_everything
-from orchestrator.tune.check import FP32, Validation, compare, losses
-from orchestrator.tune.plan import (failure, float8_missing, options, precision_section, predictions,
-                                    sensitivity_table)
-from orchestrator.tune.probe import Probe
-from orchestrator.tune.search import by_layer, choose, one_up, riskiest
+from orchestrator.autotune.check import FP32, Validation, compare, losses
+from orchestrator.autotune.plan import (failure, float8_missing, options, precision_section, predictions,
+                                        sensitivity_table)
+from orchestrator.autotune.probe import Probe
+from orchestrator.autotune.search import by_layer, choose, one_up, riskiest
 
 
 class ValidationFailed(RuntimeError):

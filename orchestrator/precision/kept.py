@@ -1,11 +1,11 @@
-"""Pre-flight's check that the precision policy can be kept: the job's model, copied, cast by the policy and run on
-two samples on the CPU with the audit the workers run after their first step. A layer whose output or storage
+"""Whether a DDP job's precision policy can be kept, checked in pre-flight: the job's model, copied, cast by the policy
+and run on two samples on the CPU with the audit the workers run after their first step. A layer whose output or storage
 cannot be what its rule promises is refused before Ray starts, naming the layer and the rule that would keep it,
 rather than failing the run on its workers. So is a policy that would hand the layers meeting in one attention
 (query, key and value) different dtypes, naming the rule that splits them."""
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -18,12 +18,11 @@ from orchestrator.precision.dtypes import dtype_name
 CPU = "cpu"
 
 
-def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any) -> None:
-    """`batch`: the first training `Batch` pre-flight collated. DDP only: FSDP's units and their policies are
-    planned and checked by `check_plan`. Nothing to check where every layer is fp32 without autocast (O0)."""
-    if cfg.scaling.strategy == "fsdp":
-        return
-    policy = Policy.from_config(cfg.precision)
+def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any, policy: Optional[Policy] = None) -> None:
+    """`batch`: the first training `Batch` pre-flight collated. DDP's check (`DdpStrategy.check_plan`): FSDP's
+    units and their policies are planned and checked by its own. Nothing to check where every layer is fp32 without
+    autocast (O0)."""
+    policy = policy or Policy.from_config(cfg.precision)
     plans = plan(model, policy)
     if not policy.autocast and all(layer.param_dtype == torch.float32 for layer in plans.values()):
         return

@@ -10,9 +10,9 @@ import torch
 from orchestrator.precision.dtypes import dtype_name
 from orchestrator.precision.float8 import FLOAT8, import_error, native, unavailable
 from orchestrator.precision.policy import LayerPlan, Policy
-from orchestrator.tune.devices import BYTES, TARGETS, modelled_time
-from orchestrator.tune.probe import Probe
-from orchestrator.tune.search import FP32, Option, by_layer, cost, predicted_error
+from orchestrator.autotune.devices import BYTES, TARGETS, modelled_time
+from orchestrator.autotune.probe import Probe
+from orchestrator.autotune.search import FP32, Option, by_layer, cost, predicted_error
 
 HALF = ("float16", "bfloat16")
 """The dtypes a layer stores its parameters in when lowered (float8 layers keep theirs in fp32)."""

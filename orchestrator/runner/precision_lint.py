@@ -1,7 +1,8 @@
 """Dangerous precision combinations of a job, found on the driver before Ray starts.
 
-The precision lint lives with training, not in `orchestrator.precision`: it judges the policy together with
-the job's real optimizer (`orchestrator.train.optim`), which it runs on a toy parameter.
+The precision lint runs on the driver (`orchestrator.runner.preflight`), not in `orchestrator.precision`: it
+judges the policy together with the job's real optimizer (`orchestrator.train.optim`), which it runs on a toy
+parameter.
 
 Each finding says what is wrong, where, and the fix, and is an error or a warning.
 `precision.lint` decides what they do: `error` (errors stop the job with exit 2, warnings are
@@ -13,10 +14,11 @@ import math
 import torch
 from torch import nn
 
+from orchestrator.config.job import Job
 from orchestrator.precision.dtypes import dtype_name
 from orchestrator.precision.float8 import unavailable as float8_unavailable
 from orchestrator.precision.precision import bf16_unsupported
-from orchestrator.precision.policy import NORM_TYPES, Policy, plan, unmatched_rules
+from orchestrator.precision.policy import NORM_TYPES, plan, unmatched_rules
 from orchestrator.train.optim import build_grouped, group_labels, groups_of
 
 SIMULATED_STEPS = 100
@@ -64,7 +66,7 @@ def _smallest_surviving_update(dtype: torch.dtype) -> float:
 
 
 def lint(cfg, model: nn.Module) -> list[Finding]:
-    policy = Policy.from_config(cfg.precision)
+    policy = Job.of(cfg).policy
     amp = policy.amp
     plans = plan(model, policy)
     findings: list[Finding] = []

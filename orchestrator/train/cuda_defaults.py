@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from orchestrator.config.optim import OPTIMIZERS
+from orchestrator.config.strategies import strategy_named
 
 DEVICE_DATA_SHARE = 0.25
 """`data.loader: auto` holds a dataset on the device when it takes at most this share of the free device memory."""
@@ -33,7 +34,7 @@ def channels_last(cfg: Any, model: nn.Module, device: torch.device) -> bool:
     """`perf.channels_last`, null resolved: on CUDA, for a model with a 2-D convolution, not under FSDP."""
     if cfg.perf.channels_last is not None:
         return bool(cfg.perf.channels_last)
-    return (cuda(device) and cfg.scaling.strategy != "fsdp"
+    return (cuda(device) and not strategy_named(cfg.scaling.strategy).shards
             and any(isinstance(module, nn.Conv2d) for module in model.modules()))
 
 
@@ -42,7 +43,7 @@ def fused_optimizer(cfg: Any, device: torch.device) -> bool:
     no `foreach`/`fused` in `optim.kwargs`."""
     optim = cfg.optim
     return (optim.implementation == "auto" and cuda(device) and optim.name in OPTIMIZERS
-            and cfg.scaling.strategy != "fsdp" and not {"fused", "foreach"} & set(optim.kwargs))
+            and not strategy_named(cfg.scaling.strategy).shards and not {"fused", "foreach"} & set(optim.kwargs))
 
 
 def set_cudnn_benchmark(cfg: Any, device: torch.device) -> None:
@@ -53,13 +54,12 @@ def set_cudnn_benchmark(cfg: Any, device: torch.device) -> None:
 
 
 def tensor_bytes(dataset: Any) -> Optional[int]:
-    """Bytes of the tensors behind a dataset of (inputs, targets) tensors; None for any other dataset."""
+    """Bytes of the tensors behind a dataset of (inputs, targets) tensors; None for any other dataset. A dataset that
+    says how many it holds on the device says it (`device_bytes()`: `orchestrator.train.data.RepeatedSamples`)."""
     from torch.utils.data import TensorDataset
 
-    from orchestrator.train.data import RepeatedSamples
-
-    if isinstance(dataset, RepeatedSamples):
-        return sum(t[0].numel() * t.element_size() for t in dataset.tensors) * len(dataset)
+    if callable(getattr(dataset, "device_bytes", None)):
+        return dataset.device_bytes()
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         return sum(t.numel() * t.element_size() for t in dataset.tensors)
     return None

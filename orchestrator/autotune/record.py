@@ -8,8 +8,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from orchestrator.tracking.tracker import RunTracker, standard_tags, view_hint
-from orchestrator.tune.plan import chart
-from orchestrator.tune.run import Tune
+from orchestrator.autotune.plan import chart
+from orchestrator.autotune.run import Tune
 
 
 def log_tune(uri: str, cfg, job_path: Path, result: Tune, job_text: str) -> str:

@@ -11,7 +11,7 @@
    the scale (`precision.scaler.on_nan_loss: skip`; with `abort` the step is skipped too, and the run fails when
    the flags are read); without a scaler, non-finite gradients are skipped, fail the run (skipped meanwhile) or
    are only counted (`precision.on_nonfinite_grads`);
-3. copy the vector (and the scale it ran at) without blocking to the host (`orchestrator.precision.outcome`) and
+3. copy the vector (and the scale it ran at) without blocking to the host (`orchestrator.precision.step_outcome`) and
    read it late: at once where the step waited anyway, else before the next optimizer step, or at the next
    report, checkpoint or epoch end (`settle`). Reading it keeps the telemetry (`amp/*` metrics), the overflow log
    and the collapse guardrails exactly as if it were read in the step: every skipped step, whatever the reason,
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.precision.amp import AmpSettings
-from orchestrator.precision.outcome import HostCopy, Pending, StepOutcome, first_nonfinite  # noqa: F401 (re-exported)
+from orchestrator.precision.step_outcome import (  # noqa: F401 (re-exported)
+    HostCopy, Pending, StepOutcome, first_nonfinite)
 from orchestrator.precision.scaler import PassThroughScaler, make_scaler
 
 
