@@ -8,6 +8,7 @@ with FSDP2's `fully_shard` itself, not with Ray's FSDP1 `prepare_model(parallel_
 controller-side relay turns the reports into MLflow (`orchestrator.tracking`).
 """
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,7 @@ class RaySession:
 
     def report(self, metrics: dict[str, Any], checkpoint: Optional[Path] = None,
                checkpoint_name: Optional[str] = None) -> None:
+        metrics = {**metrics, "at": time.time()}  # when handed over (`Report.at`): the driver's goodput reads it
         if checkpoint is None:
             ray.train.report(metrics)
             return
