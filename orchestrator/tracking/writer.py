@@ -162,7 +162,8 @@ class MlflowWriter:
         self.printed.extend(lines)
 
     def accept(self, taken: list) -> None:
-        """What the relay held, in order: reports, and the nodes lost between them (`NodeLost`)."""
+        """What the relay held, in order: reports, the nodes lost between them (`NodeLost`) and the attempts the
+        controller ended (`AttemptEnded`); every item is timed on the run's clock (`clock`)."""
         for item in taken:
             if isinstance(item, AttemptEnded):  # the controller restarts the worker group: only timed
                 self.clock.ended(item)
