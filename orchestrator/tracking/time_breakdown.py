@@ -6,13 +6,16 @@ import sys
 import time
 from typing import Optional
 
-from orchestrator.tracking.goodput import PARTS, WORDS, Breakdown, RunClock
+from orchestrator.tracking.goodput import CAUSES, WORDS, Breakdown, RunClock
 from orchestrator.tracking.plots import _pyplot
 
 logger = logging.getLogger("ampflow.tracking")
 
 JSON_PATH = "perf/time_breakdown.json"
 PNG_PATH = "perf/time_breakdown.png"
+
+STACKED = ("startup", "restarts", "training", "redone", "data", "eval", "checkpoint", "other", "end")
+"""Each bar's parts from the bottom up, roughly in the order they happen."""
 
 COLOURS = {"training": "tab:green", "startup": "tab:gray", "restarts": "tab:red", "redone": "tab:pink",
            "checkpoint": "tab:purple", "eval": "tab:blue", "data": "tab:orange", "other": "tab:olive",
@@ -24,17 +27,17 @@ def breakdown_figure(breakdown: Breakdown):
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(8, 4))
     attempts = breakdown.attempts
-    labels = [f"attempt {row['attempt']}\nsteps {row['first_step']}-{row['last_step']}"
-              + (f"\nended by {row['ended_by']}" if row["ended_by"] else "") for row in attempts]
+    labels = [f"attempt {row['attempt']}\nsteps {(row['resumed_from_step'] or 0) + 1}-{row['last_step']}"
+              + (f"\nended by {CAUSES.get(row['ended_by'], row['ended_by'])}" if row["ended_by"] else "")
+              for row in attempts]
     bottoms = [0.0] * len(attempts)
-    for part in PARTS:
+    for part in STACKED:
         heights = [row["parts_s"][part] for row in attempts]
         if any(height > 0 for height in heights):
             axis.bar(labels, heights, bottom=bottoms, label=WORDS[part], color=COLOURS[part])
             bottoms = [bottom + height for bottom, height in zip(bottoms, heights)]
     axis.set_ylabel("seconds")
-    axis.set_title(f"Where the run's time went: {100 * breakdown.fraction:.0f}% training "
-                   f"of {breakdown.wall_s:.0f} s (goodput)")
+    axis.set_title(f"Goodput {100 * breakdown.fraction:.0f}% of {breakdown.wall_s:.0f} s: the time of each attempt")
     axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     return figure
