@@ -175,8 +175,11 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
         redone = int(tags["steps_redone"]) if scenario in NODES else args.at_step - resumed
     metrics = run.data.metrics
     goodput = {key.removeprefix("goodput/"): metrics[key] for key in sorted(metrics) if key.startswith("goodput/")}
+    said = [line.strip() for line in (tmp / f"{scenario}.console").read_text().splitlines()
+            if line.startswith("  time: ")]
     return {"recovery_s": first_new - struck_at, "steps_redone": redone,
-            "resumed_from_step": int(tags["resumed_from_step"]), "told": "node_lost" in tags, "goodput": goodput}
+            "resumed_from_step": int(tags["resumed_from_step"]), "told": "node_lost" in tags, "goodput": goodput,
+            "console": said[0] if said else None}
 
 
 def goodput_said(goodput: dict) -> str:
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
             figures.setdefault(scenario, []).append(result)
             print(f"{scenario} #{repeat + 1}: {result['recovery_s']:.1f} s to the first new step, "
                   f"{result['steps_redone']} step(s) redone (resumed from step {result['resumed_from_step']}); "
-                  f"{goodput_said(result['goodput'])}", flush=True)
+                  f"{goodput_said(result['goodput'])}\n    {result['console']}", flush=True)
     print("\n| scenario | recovery_s (median) | steps redone | goodput (median) | restarts_s, redone_s (median) "
           "| repeats |\n| --- | --- | --- | --- | --- | --- |")
     for scenario, results in figures.items():
