@@ -195,3 +195,11 @@ def test_a_preemption_notice_s_exception_names_the_restart_a_preemption():
     assert failure_cause(WorkerGroupError("x", {1: Preempted("notice"), 0: RuntimeError("peer")})) == "preemption"
     assert failure_cause(WorkerGroupError("x", {0: RuntimeError("boom")})) == "failure"
     assert failure_cause(RuntimeError("the controller's own")) == "failure"
+
+
+def test_the_time_a_rank_handed_a_report_over_travels_on_the_wire_and_the_merge_keeps_rank_0s():
+    ranks = [Report.from_wire({**Report(seq=3, step=6).to_wire(), "at": SUBMIT + rank}) for rank in (0, 1)]
+    merged = Report.merged(ranks)
+    assert merged.at == SUBMIT
+    assert Report.from_wire(json.loads(json.dumps(merged.to_wire()))).at == SUBMIT
+    assert Report.from_wire({"seq": 1, "step": 2}).at is None  # a report of an older worker: the driver's clock
