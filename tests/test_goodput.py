@@ -50,14 +50,15 @@ def test_one_attempt_splits_submit_to_end_into_start_up_the_windows_parts_and_th
     breakdown = clock.breakdown(SUBMIT + 58)
 
     assert_sums_to_wall(breakdown, 58)
-    assert breakdown.parts == pytest.approx({"training": 21, "startup": 20, "restarts": 0, "redone": 0,
-                                             "checkpoint": 1, "eval": 1, "data": 3, "other": 4, "end": 8})
-    assert breakdown.fraction == pytest.approx(21 / 58)
+    # Exchanges outside the steps (`time/comm_s`: the window's reduction, a report's hand-off) are not training.
+    assert breakdown.parts == pytest.approx({"training": 18, "startup": 20, "restarts": 0, "redone": 0,
+                                             "checkpoint": 1, "eval": 1, "data": 3, "other": 4 + 3, "end": 8})
+    assert breakdown.fraction == pytest.approx(18 / 58)
     metrics = breakdown.metrics()
-    assert metrics["goodput/fraction"] == pytest.approx(21 / 58) and metrics["goodput/wall_s"] == pytest.approx(58)
+    assert metrics["goodput/fraction"] == pytest.approx(18 / 58) and metrics["goodput/wall_s"] == pytest.approx(58)
     assert metrics["goodput/startup_s"] == pytest.approx(20) and metrics["goodput/end_s"] == pytest.approx(8)
     assert metrics["goodput/attempts"] == 1.0
-    assert breakdown.line() == "time: 36% training, 34% start-up, 14% the end, 7% other, 5% data stalls, " \
+    assert breakdown.line() == "time: 34% start-up, 31% training, 14% the end, 12% other, 5% data stalls, " \
                                "2% evaluation, 2% checkpoints (of 58 s)"
 
 

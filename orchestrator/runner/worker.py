@@ -33,7 +33,8 @@ class RaySession:
 
     def report(self, metrics: dict[str, Any], checkpoint: Optional[Path] = None,
                checkpoint_name: Optional[str] = None) -> None:
-        metrics = {**metrics, "at": time.time()}  # when handed over (`Report.at`): the driver's goodput reads it
+        if metrics.get("at") is None:  # a report the loop did not time (a resumed attempt's first): now
+            metrics = {**metrics, "at": time.time()}
         if checkpoint is None:
             ray.train.report(metrics)
             return

@@ -3,14 +3,16 @@
 The driver's writer shows every item the relay hands it to a `RunClock` (`report`, `ended`, `node_lost`); once
 the run is over, `RunClock.breakdown(end_at)` splits the wall time, submit to end, into parts that sum to it:
 
-- `training`: time in steps that count (the loop's `time/compute_s` and `time/comm_s`);
+- `training`: time in steps that count (the loop's `time/compute_s`: forward, backward, the optimizer and the
+  gradients' exchange);
 - `startup`: submit to the start of the first attempt's first window (the first step);
 - `restarts`: from an attempt's last report to the next attempt's start of training (the failure, Ray Train's
   restart, the resume; steps trained after that last report are lost in it too);
 - `redone`: steps trained again after a restart (the previous attempt's last reported step minus the step the
   next one resumed from), each at that earlier attempt's own time per step;
 - `checkpoint`, `eval`, `data`, `other`: the loop's `time/checkpoint_s`, `time/eval_s`, `time/data_s` and
-  `time/other_s` (with what the windows leave uncovered between the reports' times in `other`);
+  `time/other_s` (`other` with `time/comm_s`, the loop's exchanges outside the steps, and what the windows leave
+  uncovered between the reports' times);
 - `end`: from the last report to the end (the final checkpoint, the model logged, shutdown).
 
 Without the loop's `time/*` metrics an attempt's time between its first and last report counts as training.
@@ -239,9 +241,10 @@ class RunClock:
             return
         scale = min(1.0, span / measured)
         sums = {key: seconds * scale for key, seconds in attempt.time.items()}
-        own["training"] += sums["time/compute_s"] + sums["time/comm_s"]
+        own["training"] += sums["time/compute_s"]
         for part in ("data", "eval", "checkpoint", "other"):
             own[part] += sums[f"time/{part}_s"]
+        own["other"] += sums["time/comm_s"]  # the loop's exchanges outside the steps: a report's hand-off, ...
         own["other"] += max(0.0, span - measured * scale)  # between the windows: none when they tile the span
 
     @staticmethod
