@@ -16,6 +16,9 @@ again (`steps_redone`).
   (`scaling.resize_check_s`, `--resize-check-s`). `recovery_s` runs from the join to the first step trained by
   two workers; `steps_redone`: the steps reported before the join that the grown group trained again.
 
+Each run's own goodput (`goodput/*`, `orchestrator.tracking.goodput`) is read back too: the share of its wall time,
+submit to end, spent in steps that count, with the seconds its restarts and its steps trained again cost.
+
 All train digits on 2 workers (elastic: up to 2), checkpoints every `--every` steps, a report every step, `failure.max_failures: 1`.
 The first step past the strike is the first the struck attempt never reported (`--at-step` after a node loss, the
 next one after a notice, whose step was finished and checkpointed): its time is when the driver's MLflow writer
@@ -170,8 +173,21 @@ def one_run(args, scenario: str, tmp: Path) -> dict:
     else:
         first_new = loss_steps(client, run.info.run_id)[max(args.at_step, resumed + 1)]
         redone = int(tags["steps_redone"]) if scenario in NODES else args.at_step - resumed
+    metrics = run.data.metrics
+    goodput = {key.removeprefix("goodput/"): metrics[key] for key in sorted(metrics) if key.startswith("goodput/")}
+    said = [line.strip() for line in (tmp / f"{scenario}.console").read_text().splitlines()
+            if line.startswith("  time: ")]
     return {"recovery_s": first_new - struck_at, "steps_redone": redone,
-            "resumed_from_step": int(tags["resumed_from_step"]), "told": "node_lost" in tags}
+            "resumed_from_step": int(tags["resumed_from_step"]), "told": "node_lost" in tags, "goodput": goodput,
+            "console": said[0] if said else None}
+
+
+def goodput_said(goodput: dict) -> str:
+    """`goodput 41% of 52 s (restarts 12.0 s, redone 0.6 s)`: the run's own accounting (`goodput/*`)."""
+    if not goodput:
+        return "no goodput logged"
+    return (f"goodput {100 * goodput['fraction']:.0f}% of {goodput['wall_s']:.0f} s (start-up "
+            f"{goodput['startup_s']:.1f} s, restarts {goodput['restarts_s']:.1f} s, redone {goodput['redone_s']:.1f} s)")
 
 
 def main(argv=None) -> int:
@@ -194,17 +210,25 @@ def main(argv=None) -> int:
                 result = one_run(args, scenario, Path(tmp))
             figures.setdefault(scenario, []).append(result)
             print(f"{scenario} #{repeat + 1}: {result['recovery_s']:.1f} s to the first new step, "
-                  f"{result['steps_redone']} step(s) redone (resumed from step {result['resumed_from_step']})",
-                  flush=True)
-    print("\n| scenario | recovery_s (median) | steps redone | repeats |\n| --- | --- | --- | --- |")
+                  f"{result['steps_redone']} step(s) redone (resumed from step {result['resumed_from_step']}); "
+                  f"{goodput_said(result['goodput'])}\n    {result['console']}", flush=True)
+    print("\n| scenario | recovery_s (median) | steps redone | goodput (median) | restarts_s, redone_s (median) "
+          "| repeats |\n| --- | --- | --- | --- | --- | --- |")
     for scenario, results in figures.items():
+        timed = [r["goodput"] for r in results if r["goodput"]]
+        median = {key: statistics.median(g[key] for g in timed) for key in ("fraction", "restarts_s", "redone_s")} \
+            if timed else None
+        goodput = f"{100 * median['fraction']:.0f}% | {median['restarts_s']:.1f}, {median['redone_s']:.1f}" \
+            if median else "- | -"
         print(f"| {scenario} | {statistics.median(r['recovery_s'] for r in results):.1f} | "
-              f"{sorted({r['steps_redone'] for r in results})} | {len(results)} |")
+              f"{sorted({r['steps_redone'] for r in results})} | {goodput} | {len(results)} |")
     if args.json:
         import torch
 
         medians = {f"{scenario}_recovery_s": statistics.median(r["recovery_s"] for r in results)
                    for scenario, results in figures.items()}
+        medians |= {f"{scenario}_goodput": statistics.median(r["goodput"]["fraction"] for r in results)
+                    for scenario, results in figures.items() if all(r["goodput"] for r in results)}
         args.json.write_text(json.dumps({
             "harness": "recovery", "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
             "torch": torch.__version__, "config": vars(args) | {"json": str(args.json)}, "figures": figures,

@@ -6,6 +6,10 @@ The cluster is `ray.cluster_utils.Cluster` on this machine, as in tests/test_clu
 (the driver's relay and Ray Train's controller) and nodes of one CPU each, one worker fitting on each.
 """
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from conftest import drill, small_job
@@ -62,6 +66,15 @@ def test_an_elastic_run_grows_when_a_node_joins_shrinks_when_one_is_lost_and_tra
     assert each_step_once(client, run.info.run_id, "train/loss") == list(range(1, 13))
     world = {m.step: m.value for m in MlflowClient(uri).get_metric_history(run.info.run_id, "system/world_size")}
     assert [world[step] for step in range(1, 13)] == [1, 1, 2, 2] + [1] * 8, world
+
+    # The run's goodput: three attempts, the first ended by the resize, the second by the node loss.
+    breakdown = json.loads(Path(client.download_artifacts(run.info.run_id, "perf/time_breakdown.json")).read_text())
+    assert [(a["ended_by"], a["resumed_from_step"], a["world_size"]) for a in breakdown["attempts"]] == \
+        [("elastic resize", None, 1), ("node loss", 2, 2), (None, 4, 1)], breakdown["attempts"]
+    assert breakdown["restart_causes"] == ["elastic resize", "node loss"]
+    assert sum(breakdown["parts_s"].values()) == pytest.approx(run.data.metrics["goodput/wall_s"])
+    assert run.data.metrics["goodput/restarts_s"] > 0
+    assert re.search(r"^  time: .*restarts after an elastic resize and a node loss", output, re.M), output[-2000:]
 
     steps = trained_steps(tmp_path / "samples")
     assert list(steps) == list(range(1, 13))

@@ -35,7 +35,7 @@ def test_the_wire_form_round_trips_through_a_weights_only_load(tmp_path):
 def test_the_wire_form_keeps_metrics_apart_from_what_is_not_a_metric():
     wire = a_report().to_wire()
     assert set(wire) == {"seq", "step", "epoch", "epochs", "total_steps", "metrics", "tags", "tables",
-                         "overflow_records", "system_samples", "warnings", "checkpoint_score", "replay"}
+                         "overflow_records", "system_samples", "warnings", "checkpoint_score", "replay", "at"}
     assert set(wire["metrics"]) == {"train/loss", "eval/accuracy", "amp/loss_scale"}
 
 

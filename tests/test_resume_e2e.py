@@ -4,6 +4,7 @@
 resumed run's final state is compared with an uninterrupted run's, bit for bit (atol=0).
 """
 
+import json
 import os
 import signal
 import sqlite3
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from orchestrator.runner.checkpoints import newest as newest_complete
+from orchestrator.tracking.goodput import PARTS
 
 from conftest import drill, small_job
 from test_submit_e2e import only_run
@@ -92,6 +94,18 @@ def test_killed_worker_resumes_at_its_checkpoint_bit_identical_and_logs_each_ste
     for key in ("train/loss", "amp/loss_scale", "eval/accuracy"):
         assert each_step_once(client, run.info.run_id, key) == each_step_once(client, reference.info.run_id, key)
     assert run.data.metrics["train/loss"] == reference.data.metrics["train/loss"]
+
+    # Its goodput: two attempts, the first ended by a failure. Step 5's report reaches the driver only when Ray
+    # Train's controller takes it before it sees rank 1 dead: then step 5, trained again from the checkpoint of
+    # step 4, is redone at the killed attempt's own time per step; else it is lost in the restart's time.
+    breakdown = json.loads(Path(client.download_artifacts(run.info.run_id, "perf/time_breakdown.json")).read_text())
+    killed, restarted = breakdown["attempts"]
+    assert killed["ended_by"] == "failure" and killed["last_step"] in (4, 5)
+    assert killed["steps_redone"] == killed["last_step"] - 4
+    assert (restarted["resumed_from_step"], restarted["last_step"], restarted["ended_by"]) == (4, 12, None)
+    goodput = run.data.metrics
+    assert (goodput["goodput/redone_s"] > 0) == (killed["steps_redone"] > 0) and goodput["goodput/restarts_s"] > 0
+    assert sum(goodput[f"goodput/{part}_s"] for part in PARTS) == pytest.approx(goodput["goodput/wall_s"])
 
 
 def _kill_tree_of(process: subprocess.Popen, ray_temp_dir: str) -> None:

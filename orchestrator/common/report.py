@@ -46,6 +46,10 @@ class Report:
     (`CHECKPOINT_SCORE`, `checkpoint_score()`)."""
     replay: list["Report"] = field(default_factory=list)
     """Reports of a resumed run that the previous driver may not have logged, sent again, oldest first."""
+    at: Optional[float] = None
+    """When the rank made it (wall clock, seconds), where its window's `time/*` ends; a report the loop did not
+    time gets the time the Ray worker's session hands it over. The driver times the run's attempts by it
+    (`orchestrator.tracking.goodput`)."""
 
     def to_wire(self) -> dict[str, Any]:
         """Plain types only (numbers as floats or ints), loadable with `torch.load(weights_only=True)`."""

@@ -204,6 +204,7 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
     from ray.train import TrainingFailedError
 
     from orchestrator.runner.launch import build_trainer
+    from orchestrator.tracking.attempts import AttemptWatch
     from orchestrator.tracking.nodes import NodeLossWatch
     from orchestrator.tracking.relay import RelayCallback, start_relay
     from orchestrator.tracking.writer import MlflowWriter
@@ -239,11 +240,12 @@ def _execute(plan: RunPlan, end: RunEnd) -> int:
         start_run=lambda: _start_run(cfg, plan.job_path, plan.uri, plan.run_name, plan.parent_run_id,
                                      plan.datasets),
         on_logged=lambda seq: records.write_logged_through(storage, plan.run_name, seq), refusals=end.refusals)
+    writer.clock.submitted_at, end.clock = ray_start.launched_at, writer.clock  # the run's goodput, from submit
     if plan.resume and plan.tracker is not None:
         writer.resume_from_run()
     writer.start()
     trainer = build_trainer(cfg, run_name=plan.run_name, storage_path=storage,
-                            callbacks=[RelayCallback(relay), NodeLossWatch(relay)],
+                            callbacks=[RelayCallback(relay), NodeLossWatch(relay), AttemptWatch(relay)],
                             worker_runtime_env=ray_start.worker_runtime_env, run_id=run_id,
                             launched_at=ray_start.launched_at,
                             relay=relay)

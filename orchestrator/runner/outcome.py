@@ -20,6 +20,7 @@ from orchestrator.runner.plan import RunPlan, RunResult
 from orchestrator.runner.run_end import RunEnd
 from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tables import audit_summary, audit_summary_html
+from orchestrator.tracking.time_breakdown import log_goodput
 from orchestrator.tracking.tracker import view_hint
 from orchestrator.train.checkpoint import CheckpointWriteError
 from orchestrator.common.report import Report
@@ -60,11 +61,15 @@ def failed(plan: RunPlan, end: RunEnd, failure, stalled: Sequence["stalls.Stalle
     if checkpoint_write_failed(failure):  # the workers are gone: no copy to storage is in flight any more
         remove_unfinished(plan.cfg.checkpoint.storage_path, plan.run_name)
     stalls.log_and_print(list(stalled), tracker, failed_by_last=stall is not None)
+    goodput = None
     if tracker is not None:
         log_failed_audit(failure, tracker)
         tracker.log_plots(plan.cfg.precision.preset)
+        goodput = log_goodput(tracker, end.clock, end.clock.last_step() if end.clock is not None else 0)
     end.close("FAILED")
     print(f"\ntraining failed: {cause}", file=sys.stderr)
+    if goodput is not None:
+        print(goodput.line(), file=sys.stderr)
     where = f"MLflow run {tracker.run_id} marked FAILED. " if tracker is not None and end.closed else ""
     print(f"{where}Full worker logs: session_latest/logs in Ray's temp dir on the head node (/tmp/ray by default). "
           f"{resume_hint(plan)}", file=sys.stderr)
@@ -116,6 +121,7 @@ def finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path])
         plan.result = RunResult(None, "FINISHED", Report.from_wire(result.metrics or {}).metrics, checkpoints, None)
         return EXIT_OK
     model_uri, exit_code = outputs.log_outputs(cfg, result, tracker, module_sources)
+    goodput = log_goodput(tracker, end.clock, Report.from_wire(result.metrics or {}).step)  # its end: now
     end.close("FINISHED")
     if end.incomplete or not end.closed:
         return _incomplete(plan, end, result)
@@ -126,6 +132,8 @@ def finished(plan: RunPlan, end: RunEnd, result, module_sources: Sequence[Path])
     for key in (*evaluated, "train/loss", "amp/loss_scale", "amp/skipped_steps", "perf/samples_per_s"):
         if key in final:
             print(f"  {key:<20} {final[key]:.6g}")
+    if goodput is not None:
+        print(f"  {goodput.line()}")
     print(f"Checkpoints: {redact(checkpoints)}")
     if model_uri is not None:
         print(f"Model:    {model_uri}  (mlflow.pytorch.load_model / mlflow.pyfunc.load_model)")

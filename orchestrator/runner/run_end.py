@@ -27,6 +27,8 @@ class RunEnd:
         """Whether MLflow took the run's final status (False: it still shows RUNNING)."""
         self.missing: list[str] = []
         """Artifacts the run logged that its artifact store no longer has."""
+        self.clock = None
+        """The run's attempts as its writer saw them (`orchestrator.tracking.goodput.RunClock`), once it has one."""
 
     def flush(self, timeout_s: float):
         """Stop the writer and log what it still holds; the tracker the run ended up with."""

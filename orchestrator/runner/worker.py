@@ -8,6 +8,7 @@ with FSDP2's `fully_shard` itself, not with Ray's FSDP1 `prepare_model(parallel_
 controller-side relay turns the reports into MLflow (`orchestrator.tracking`).
 """
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,8 @@ class RaySession:
 
     def report(self, metrics: dict[str, Any], checkpoint: Optional[Path] = None,
                checkpoint_name: Optional[str] = None) -> None:
+        if metrics.get("at") is None:  # a report the loop did not time (a resumed attempt's first): now
+            metrics = {**metrics, "at": time.time()}
         if checkpoint is None:
             ray.train.report(metrics)
             return

@@ -26,7 +26,8 @@ class ReportRelay:
         self.lines: list[str] = []
 
     def push(self, report) -> None:
-        """A report (`Report`), or a node the run lost between two (`orchestrator.tracking.nodes.NodeLost`)."""
+        """A report (`Report`), a node the run lost between two (`orchestrator.tracking.nodes.NodeLost`), or an
+        attempt the controller ended (`orchestrator.tracking.goodput.AttemptEnded`)."""
         self.queue.append(report)
 
     def write(self, lines: list[str]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestrator.errors import was_interrupted
+from orchestrator.tracking.goodput import AttemptEnded, RunClock
 from orchestrator.tracking.nodes import NodeLost, NodeLosses
 from orchestrator.tracking.refusals import Refusals, describe
 from orchestrator.tracking.tables import RENDERED
@@ -75,6 +76,9 @@ class MlflowWriter:
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
         self.node_losses = NodeLosses()
         """The nodes the run lost (`orchestrator.tracking.nodes`), told once the restarted attempt reports."""
+        self.clock = RunClock()
+        """The run's attempts and where their time went (`orchestrator.tracking.goodput`); the driver sets when
+        submit began."""
         self.printed: deque[str] = deque()
         """What the workers printed (`run.worker_output`), not yet shown on the console."""
         self.world_size: Optional[float] = None
@@ -158,11 +162,16 @@ class MlflowWriter:
         self.printed.extend(lines)
 
     def accept(self, taken: list) -> None:
-        """What the relay held, in order: reports, and the nodes lost between them (`NodeLost`)."""
+        """What the relay held, in order: reports, the nodes lost between them (`NodeLost`) and the attempts the
+        controller ended (`AttemptEnded`); every item is timed on the run's clock (`clock`)."""
         for item in taken:
-            if isinstance(item, NodeLost):  # the newest step before it, when the controller had none
+            if isinstance(item, AttemptEnded):  # the controller restarts the worker group: only timed
+                self.clock.ended(item)
+            elif isinstance(item, NodeLost):  # the newest step before it, when the controller had none
+                self.clock.node_lost(item.at)
                 self._tell_node_losses(*self.node_losses.lost(item, self.newest.get("step")))
             else:
+                self.clock.report(item)
                 self._tell_resize(item)
                 self.enqueue(item)
 

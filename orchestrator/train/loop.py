@@ -277,7 +277,8 @@ class TrainingLoop:
     # -- reports and checkpoints --------------------------------------------------------------------
 
     def new_report(self, epoch: int) -> Report:
-        return Report(step=self.global_step, epoch=epoch + 1, epochs=self.cfg.run.epochs,
+        """A report made now (`at`: where its window's time ends, for the driver's goodput)."""
+        return Report(step=self.global_step, epoch=epoch + 1, epochs=self.cfg.run.epochs, at=time.time(),
                       total_steps=self.total_steps,
                       metrics={"optim/lr": float(self.training.optimizer.param_groups[0]["lr"]),
                                "system/world_size": float(self.world_size)})
