@@ -10,10 +10,10 @@ import torch
 
 from orchestrator.runner.worker import ray_candidates, remove_own_part
 from orchestrator.train import rng
-from orchestrator.train.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
+from orchestrator.checkpoint.files import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
                                            local_candidates, manifest_file, rank_file, read_checkpoint,
                                            staged_checkpoint, write_checkpoint_files)
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 
 def train_state(step: int) -> TrainState:
@@ -183,7 +183,7 @@ def test_the_newest_checkpoint_in_storage_is_resumed_from_whatever_ray_registere
 def test_staging_left_by_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path):
     import subprocess
 
-    from orchestrator.train.checkpoint import STAGING_PREFIX, remove_stale_staging
+    from orchestrator.checkpoint.files import STAGING_PREFIX, remove_stale_staging
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid now names no process
@@ -248,7 +248,7 @@ def test_a_checkpoint_written_before_reports_were_typed_loads_its_reports_conver
 STAGE_AND_DIE = """
 import os, signal
 from orchestrator.train import rng
-from orchestrator.train.checkpoint import staged_checkpoint
+from orchestrator.checkpoint.files import staged_checkpoint
 with staged_checkpoint(0, None, {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}}, step=2) as d:
     print(d, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

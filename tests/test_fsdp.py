@@ -175,7 +175,7 @@ def identity_scenario(rank: int, directory: Path) -> dict:
 def resume_scenario(rank: int, directory: Path) -> dict:
     """O2 (fp16 compute, fp32 shards as masters, BatchNorm units, a loss scale): 4 steps with a checkpoint after
     step 2; then a fresh model of other weights resumes from it and takes steps 3 and 4."""
-    from orchestrator.train.checkpoint import local_candidates
+    from orchestrator.checkpoint.files import local_candidates
 
     store = directory / "checkpoints"
     overrides = ("precision.preset=O2", "precision.init_scale=1024", "precision.growth_interval=1")

@@ -19,7 +19,7 @@ from pyarrow import fs
 
 from orchestrator.runner import records
 from orchestrator.tracking.relay import forwarded_output
-from orchestrator.train.checkpoint import Candidate, directory_size, write_failure
+from orchestrator.checkpoint.files import Candidate, directory_size, write_failure
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.ddp import ddp_kwargs, register_comm_hook
 
@@ -64,7 +64,7 @@ def remove_own_part(filesystem, target: str, staged: Path) -> None:
     """Remove what this rank was copying into the checkpoint directory `target` (the files of its staged checkpoint
     `staged`), never the directory: a peer may still be copying its own part into it, and would then fail on a
     directory gone (a collateral error that hides the cause) instead of on its own write. What peers leave behind is
-    removed by the driver once every worker is gone (`orchestrator.runner.checkpoints.remove_unfinished`); a resume
+    removed by the driver once every worker is gone (`orchestrator.checkpoint.stored.remove_unfinished`); a resume
     skips an incomplete checkpoint meanwhile."""
     for path in staged.rglob("*"):
         if path.is_file():

@@ -26,10 +26,11 @@ from orchestrator.config.strategies import FSDP
 from orchestrator.precision import Precision
 from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, plan_units, prepare
 from orchestrator.precision.policy import LayerPlan, Policy, plan
-from orchestrator.train import fsdp, fsdp_memory, sharded_checkpoint
-from orchestrator.train.checkpoint import STATE_FILE, Candidate, CorruptCheckpoint
+from orchestrator.checkpoint import sharded as sharded_checkpoint
+from orchestrator.train import fsdp, fsdp_memory
+from orchestrator.checkpoint.files import STATE_FILE, Candidate, CorruptCheckpoint
 from orchestrator.train.collectives import all_agree
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 Built = TypeVar("Built")
 """What a resume builds from the state it found (`orchestrator.train.training.Training`)."""
@@ -178,7 +179,9 @@ class FsdpStrategy:
                           own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
                           ) -> AbstractContextManager[Path]:
         """This rank's part of a checkpoint (the shards, and `shared` and `facts` on rank 0, `own` on every rank) in
-        a staging directory to report. A collective."""
+        a staging directory to report. A collective. Buffers are rank 0's on every rank first (as the next forward
+        would make them), so whichever rank's copy DCP keeps, it is rank 0's."""
+        fsdp.broadcast_buffers(self.model)
         return sharded_checkpoint.staged_sharded_checkpoint(self.rank, self.world_size, self.model, optimizer,
                                                             shared, own, step, facts)
 

@@ -29,7 +29,7 @@ from orchestrator.train import rng
 from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
 from orchestrator.train.clock import WindowClock
-from orchestrator.train.checkpoint import Candidate, NonFiniteState, dir_name, remove_stale_staging
+from orchestrator.checkpoint.files import Candidate, NonFiniteState, dir_name, remove_stale_staging
 from orchestrator.train.collectives import all_agree, all_gather, all_reduce
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.ddp import Wrap
@@ -48,9 +48,9 @@ from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.common.report import Report, checkpoint_score
 from orchestrator.train.preemption import Preempted, PreemptionCheck
 from orchestrator.config.job import Job
-from orchestrator.train.resume import CheckpointFacts, Resumed, check_resume
+from orchestrator.checkpoint.resume import CheckpointFacts, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
-from orchestrator.train.state import RankState, TrainState
+from orchestrator.checkpoint.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
 from orchestrator.train.stopping import EarlyStopping
 from orchestrator.train.strategy import resume

@@ -35,11 +35,11 @@ from orchestrator.config.strategies import DDP, FSDP, StrategyChoice, manifest_s
 from orchestrator.precision import Precision
 from orchestrator.precision.guarded_step import clip as clip_gradients
 from orchestrator.precision.kept import check_policy_kept
-from orchestrator.train.checkpoint import (Candidate, load_newest_valid, manifest_file, read_checkpoint,
+from orchestrator.checkpoint.files import (Candidate, load_newest_valid, manifest_file, read_checkpoint,
                                            staged_checkpoint)
 from orchestrator.train.collectives import all_agree
 from orchestrator.train.ddp import Wrap, ddp_wrap
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 Built = TypeVar("Built")
 """What a resume builds from the state it found (`orchestrator.train.training.Training`)."""

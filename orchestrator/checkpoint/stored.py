@@ -1,7 +1,7 @@
 """A run's checkpoints as the driver sees them in storage: read without Ray and without unpickling.
 
 For each `checkpoint_*` directory of `<storage_path>/<run name>`, newest first, the driver reads only the small
-files: `ampflow_checkpoint.json` (the checkpoint's facts, `orchestrator.train.resume.CheckpointFacts`), which
+files: `ampflow_checkpoint.json` (the checkpoint's facts, `orchestrator.checkpoint.resume.CheckpointFacts`), which
 rank 0's manifest vouches for, and the manifests of every rank the checkpoint was written by (a checkpoint
 missing one is incomplete and skipped, as the workers skip it; a sharded, FSDP, checkpoint's manifests list their
 files under `files`). That works the same on a local path and on a storage URI (pyarrow's filesystems, as the run
@@ -21,10 +21,14 @@ from pyarrow import fs
 
 from orchestrator.config.strategies import manifest_strategy
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
-from orchestrator.runner.records import _filesystem
-from orchestrator.train.checkpoint import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, manifest_file,
+from orchestrator.checkpoint.files import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, manifest_file,
                                           read_checkpoint)
-from orchestrator.train.resume import CheckpointFacts
+from orchestrator.checkpoint.resume import CheckpointFacts
+
+
+def _filesystem(storage_path: str):
+    """(pyarrow filesystem, path on it) for a local path or a storage URI."""
+    return fs.FileSystem.from_uri(storage_path) if "://" in storage_path else (fs.LocalFileSystem(), storage_path)
 
 
 @dataclass

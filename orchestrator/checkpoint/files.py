@@ -5,7 +5,7 @@ A checkpoint directory holds, from every rank r that reported it:
 - `train_state.pt` (rank 0): the shared part of the `TrainState` (fp32 weights, optimizer, scaler,
   schedule, counters, position, layout, the effective precision policy, the MLflow run id);
 - `ampflow_checkpoint.json` (rank 0): what the driver needs to check a resume before Ray starts
-  (`orchestrator.train.resume.CheckpointFacts`: position, layout, the model's shapes, precision);
+  (`orchestrator.checkpoint.resume.CheckpointFacts`: position, layout, the model's shapes, precision);
 - `rank<r>.pt`: that rank's RNG states and its unreported loss window;
 - `manifest_rank<r>.json`: the SHA-256 of each of those files, written last.
 A checkpoint is valid for a rank only when rank 0's and its own manifest exist and every file
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from orchestrator.train.state import IncompatibleCheckpoint, TrainState
+from orchestrator.checkpoint.state import IncompatibleCheckpoint, TrainState
 
 STATE_FILE = "train_state.pt"
 FACTS_FILE = "ampflow_checkpoint.json"

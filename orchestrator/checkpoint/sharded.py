@@ -1,5 +1,5 @@
 """Sharded checkpoints under FSDP: the model and optimizer through torch.distributed.checkpoint (DCP), with the
-guarantees of the DDP checkpoints (`orchestrator.train.checkpoint`).
+guarantees of the DDP checkpoints (`orchestrator.checkpoint.files`).
 
 A checkpoint directory holds, from each rank r of the N that wrote it:
 - `sharded/__<r>_0.distcp`: rank r's shards of the parameters and of the optimizer state; rank 0's
@@ -44,9 +44,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 from orchestrator.config.strategies import DDP, FSDP, manifest_strategy
-from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
+from orchestrator.checkpoint.files import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
                                            manifest_file, rank_file, sha256, write_failure)
-from orchestrator.train.fsdp import broadcast_buffers
 
 SHARDED_DIR = "sharded"
 METADATA = f"{SHARDED_DIR}/.metadata"
@@ -109,10 +108,8 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
                              facts: Optional[dict[str, Any]] = None) -> None:
     """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata, `shared` and `facts`
     (`ampflow_checkpoint.json`, what the driver reads before a resume), each its `own` part; then each its
-    manifest, last. Buffers are rank 0's on every rank first (as the next forward would
-    make them), so whichever rank's copy DCP keeps, it is rank 0's."""
+    manifest, last. The caller gives every rank rank 0's buffers first (`FsdpStrategy.staged_checkpoint`)."""
     directory = Path(directory)
-    broadcast_buffers(model)
     try:
         dcp.save(_live_state(model, optimizer, stepped=bool(optimizer.state)),
                  storage_writer=FileSystemWriter(directory / SHARDED_DIR, sync_files=True))
