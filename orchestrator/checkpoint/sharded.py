@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from orchestrator.config.strategies import DDP, FSDP, manifest_strategy
 from orchestrator.checkpoint.files import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
-                                           manifest_file, rank_file, sha256, write_failure)
+                                           manifest_file, rank_file, save_atomically, sha256,
+                                           write_failure)
 
 SHARDED_DIR = "sharded"
 METADATA = f"{SHARDED_DIR}/.metadata"
@@ -121,12 +122,12 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
     files = sorted(f"{SHARDED_DIR}/{path.name}" for path in (directory / SHARDED_DIR).glob(f"__{rank}_*.distcp"))
     if rank == 0:
         files.append(METADATA)
-        _save_atomically(shared if shared is not None else {}, directory / STATE_FILE, save)
+        save_atomically(shared if shared is not None else {}, directory / STATE_FILE, save)
         files.append(STATE_FILE)
         if facts is not None:
-            _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
+            save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
             files.append(FACTS_FILE)
-    _save_atomically(own, directory / rank_file(rank), save)
+    save_atomically(own, directory / rank_file(rank), save)
     files.append(rank_file(rank))
     manifest = {"strategy": STRATEGY, "world_size": world_size,
                 "files": {name: sha256(directory / name) for name in files}}
@@ -145,12 +146,6 @@ def _first_failure(exc: CheckpointException) -> tuple[int, BaseException]:
     """The first failing rank and its exception (DCP gathers every rank's)."""
     rank, (failure, _trace) = next(iter(sorted(exc.failures.items())))
     return rank, failure
-
-
-def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    save(obj, partial)
-    os.replace(partial, path)
 
 
 @contextmanager

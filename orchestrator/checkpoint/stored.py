@@ -10,7 +10,6 @@ recorded is read whole from a local path (`torch.load(weights_only=True)`, every
 from a URI, where its train state may be large.
 """
 
-import hashlib
 import json
 import pickle
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ from pyarrow import fs
 
 from orchestrator.config.strategies import manifest_strategy
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
-from orchestrator.checkpoint.files import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, manifest_file,
-                                          read_checkpoint)
+from orchestrator.checkpoint.files import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, checkpoint_names, manifest_file,
+                                          read_checkpoint, sha256_of)
 from orchestrator.checkpoint.resume import CheckpointFacts
 
 
@@ -71,7 +70,7 @@ def _stored(filesystem, directory: str, local: bool) -> Optional[StoredCheckpoin
     if FACTS_FILE not in files:  # written before checkpoints carried their facts
         return _older(directory) if local and not sharded else StoredCheckpoint(directory, None)
     text = _read(filesystem, f"{directory}/{FACTS_FILE}")
-    if text is None or hashlib.sha256(text).hexdigest() != files[FACTS_FILE]:
+    if text is None or sha256_of(text) != files[FACTS_FILE]:
         return None
     try:
         facts = CheckpointFacts.from_json(json.loads(text))
@@ -98,10 +97,7 @@ def _checkpoint_dirs(storage_path: str, run_name: str) -> Iterator[tuple[str, Op
     """Each `checkpoint_*` directory of the run, newest first, with its checkpoint when complete (else None)."""
     filesystem, base = _filesystem(storage_path)
     run_dir = f"{base}/{run_name}"
-    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
-    names = sorted((info.base_name for info in infos if info.type == fs.FileType.Directory
-                    and info.base_name.startswith("checkpoint_")), reverse=True)
-    for name in names:
+    for name in checkpoint_names(filesystem, run_dir):
         yield f"{run_dir}/{name}", _stored(filesystem, f"{run_dir}/{name}", local="://" not in storage_path)
 
 
