@@ -109,7 +109,7 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
                              facts: Optional[dict[str, Any]] = None) -> None:
     """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata, `shared` and `facts`
     (`ampflow_checkpoint.json`, what the driver reads before a resume), each its `own` part; then each its
-    manifest, last. The caller gives every rank rank 0's buffers first (`FsdpStrategy.staged_checkpoint`)."""
+    manifest, last. The caller gives every rank rank 0's buffers first (`FsdpStrategy.checkpoint_format`)."""
     directory = Path(directory)
     try:
         dcp.save(_live_state(model, optimizer, stepped=bool(optimizer.state)),

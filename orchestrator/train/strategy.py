@@ -194,17 +194,17 @@ def written_under(directory: Path) -> Optional[str]:
     return strategy if isinstance(strategy, str) else None
 
 
-def _checked(where: str, open_directory: Callable[[], AbstractContextManager[str]], strategy: str
+def _checked(where: str, open_directory: Callable[[], AbstractContextManager[str]], strategy: StrategyChoice
              ) -> Callable[[], AbstractContextManager[str]]:
     @contextmanager
     def opened() -> Iterator[str]:
         with open_directory() as directory:
-            written = written_under(Path(directory))
-            if written is not None and written != strategy:
+            written = manifest_strategy(_rank0_manifest(Path(directory)))
+            if written is not None and written is not strategy:
                 raise IncompatibleStrategy(
-                    f"checkpoint {where} was written under scaling.strategy {written}, and this job trains under "
-                    f"{strategy}: the strategy cannot change within a run. Resume it with scaling.strategy={written}, "
-                    "or start the job afresh (without --resume).")
+                    f"checkpoint {where} was written under scaling.strategy {written.name}, and this job trains under "
+                    f"{strategy.name}: the strategy cannot change within a run. Resume it with "
+                    f"scaling.strategy={written.name}, or start the job afresh (without --resume).")
             yield directory
 
     return opened
@@ -221,7 +221,7 @@ def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int
     Each strategy resumes its own way (`DdpStrategy.resume`, `FsdpStrategy.resume`). A checkpoint written under
     the other strategy is refused (IncompatibleStrategy) rather than skipped: every checkpoint of the run was.
     """
-    strategy = cfg.scaling.strategy
+    strategy = Job.of(cfg).strategy
     candidates = [(where, _checked(where, opener, strategy)) for where, opener in candidates]
     return job_strategy(cfg).resume(candidates, rank, world_size, device, build, lambda ok: all_agree(ok, device))
 
