@@ -8,6 +8,8 @@ from collections import defaultdict
 import pytest
 from mlflow import MlflowClient
 
+from orchestrator.tracking.summary_values import values
+
 from conftest import REPO, small_job
 
 pytestmark = pytest.mark.slow
@@ -66,7 +68,7 @@ def test_quickstart_two_workers_fp16_reaches_90_percent(new_store, tmp_path):
     # fp16 autocast on CPU with an active GradScaler: a real scale, not the 1.0 of "no scaler".
     scales = [m.value for m in client.get_metric_history(run.info.run_id, "amp/loss_scale")]
     assert all(scale > 1.0 for scale in scales)
-    assert run.data.metrics["memory/params_bytes"] == 268_650 * 4  # simple_cnn in fp32
+    assert values(run.data.metrics, run.data.tags)["memory/params_bytes"] == 268_650 * 4  # simple_cnn in fp32
 
     assert run.data.params["model.name"] == "simple_cnn"
     assert run.data.params["precision.compute_dtype"] == "float16"

@@ -31,10 +31,11 @@ import torch
 from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
-from orchestrator.tracking import logged_model
+from orchestrator.tracking import logged_model, summary_values
 from orchestrator.tracking.plots import log_run_plots
 from orchestrator.tracking.refusals import Refusals
 from orchestrator.tracking.secrets import redact, redact_all
+from orchestrator.tracking.summary_values import held, summary_tags
 
 if TYPE_CHECKING:
     from orchestrator.tracking.lineage import DatasetLineage
@@ -158,6 +159,23 @@ def _sqlite_store_lock(uri: str):
         os.close(handle)  # releases the lock
 
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag MLflow's UI reads to choose the experiment's view (its server's JS, `experimentKind`)."""
+
+TRAINING_KIND = "custom_model_development"
+"""The value that opens the model-training view (runs, metrics charts), not the GenAI one (traces, evaluations)."""
+
+
+def training_experiment(client, name: str) -> str:
+    """The id of experiment `name`, created when missing, tagged to open in MLflow's model-training view (a kind
+    already set on it, by its owner, is kept)."""
+    experiment = client.get_experiment_by_name(name)
+    experiment_id = experiment.experiment_id if experiment is not None else _create_experiment(client, name)
+    if experiment is None or EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return experiment_id
+
+
 def _create_experiment(client, name: str) -> str:
     """Create experiment `name`; when another submit created it a moment ago (MLflow refuses a second one with
     the same name), use that one."""
@@ -208,14 +226,12 @@ class RunTracker:
         try:
             with _sqlite_store_lock(uri):  # the first use creates the store's tables
                 client = MlflowClient(tracking_uri=uri)
-                experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+                experiment_id = training_experiment(client, cfg.tracking.experiment)
         except Exception as exc:
             raise TrackingUnavailable(
                 f"tracking: MLflow at {redact(uri)} cannot be reached ({type(exc).__name__}: {redact(str(exc))[:300]}). "
                 "Start the tracking server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.required: false "
                 "to train anyway and log once it is back.") from None
-        experiment_id = experiment.experiment_id if experiment is not None else \
-            _create_experiment(client, cfg.tracking.experiment)
         run = client.create_run(experiment_id, run_name=run_name, tags=redact_all(tags))
         tracker = cls(uri, experiment_id, run.info.run_id)
         try:
@@ -287,6 +303,17 @@ class RunTracker:
     @_write
     def set_tag(self, key: str, value: str) -> None:
         self._client.set_tag(self.run_id, key, redact(value))
+
+    @_write
+    def delete_tag(self, key: str) -> None:
+        """Remove a tag (one that is not there: nothing to do)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.delete_tag(self.run_id, key)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
 
     @_write
     def log_datasets(self, datasets: Sequence["DatasetLineage"]) -> None:
@@ -372,8 +399,16 @@ class RunTracker:
     # -- reading ----------------------------------------------------------------------------------
 
     def metric_history(self, key: str) -> list:
-        """Every value logged for `key` (MLflow `Metric`s, in no promised order; [] when never logged)."""
-        return list(self._client.get_metric_history(self.run_id, key))
+        """Every value logged for `key` (MLflow `Metric`s, in no promised order; [] when never logged); a value
+        that never changed, kept as a summary tag (`orchestrator.tracking.summary_values`), as one at step 0."""
+        from mlflow.entities import Metric
+
+        history = list(self._client.get_metric_history(self.run_id, key))
+        if history or not held(key):
+            return history
+        run = self._client.get_run(self.run_id)
+        value = summary_tags(run.data.tags).get(key)
+        return [] if value is None else [Metric(key, value, run.info.start_time, 0)]
 
     def metric_ends(self) -> tuple[dict[str, int], dict[str, int]]:
         """Each metric's highest logged step and newest timestamp (ms): where a resumed run's metrics go on from."""
@@ -389,9 +424,11 @@ class RunTracker:
         return self._client.get_run(self.run_id).info
 
     def latest_metrics(self) -> dict[str, float]:
-        """Each metric's newest value as the run holds it ({} when the store cannot be read)."""
+        """Each metric's newest value as the run holds it, its summary values included ({} when the store cannot
+        be read)."""
         try:
-            return dict(self._client.get_run(self.run_id).data.metrics)
+            run = self._client.get_run(self.run_id)
+            return summary_values.values(run.data.metrics, run.data.tags)
         except Exception:
             return {}
 

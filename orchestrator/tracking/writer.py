@@ -2,7 +2,8 @@
 
 A thread drains the report relay every second and applies what it got to the run: metrics
 (each metric at most once per step: repeats after a restart, or an epoch-end report at the step
-of the report before it, are dropped), every rank's system samples (each at its own time, at most
+of the report before it, are dropped; counters and values that never change are held back and end as
+summary tags, `orchestrator.tracking.summary_values`), every rank's system samples (each at its own time, at most
 once), tags, JSON artifacts, and the merged overflow log. When
 MLflow is down the records wait in memory (training never waits) and are backfilled, with their
 original timestamps, once it answers again. With `tracking.required: false` the run itself may
@@ -22,6 +23,7 @@ import ray
 from orchestrator.errors import was_interrupted
 from orchestrator.tracking.nodes import NodeLost, NodeLosses
 from orchestrator.tracking.refusals import Refusals, describe
+from orchestrator.tracking.summary_values import Held
 from orchestrator.tracking.tables import RENDERED
 from orchestrator.train.report import Report
 
@@ -70,6 +72,8 @@ class MlflowWriter:
         self.last_step: dict[str, int] = {}
         self.last_time: dict[str, int] = {}
         """Each system metric's newest logged timestamp (ms): its samples are logged once, by time."""
+        self.held = Held()
+        """The counters and set-once values not charted while they keep their first value."""
         self.overflow_log: list[dict[str, Any]] = []
         self.newest: dict[str, Any] = {}
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
@@ -89,6 +93,7 @@ class MlflowWriter:
     def resume_from_run(self) -> None:
         """Continue a run: its metrics' last steps and its overflow log, so nothing is logged twice."""
         self.last_step, self.last_time = self.tracker.metric_ends()
+        self.held.resume(self.last_step, self.tracker.tags())
         self.overflow_log = self.tracker.load_json(OVERFLOW_LOG) or []
 
     def start(self) -> "MlflowWriter":
@@ -108,6 +113,7 @@ class MlflowWriter:
             self._drain(timeout_s=min(RELAY_TIMEOUT_S, timeout_s))
         except Exception as exc:  # the relay went down with the workers (an interrupt): log what was taken already
             logger.warning("ampflow: the last reports could not be read from the relay (%s).", exc)
+        self.pending.append(("summary", None))  # last: what never changed, once every report is in
         deadline = time.monotonic() + timeout_s
         while not self._flush(force=True) and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
@@ -122,6 +128,8 @@ class MlflowWriter:
                 self.refusals.lose("metric values", len(payload[2]))
             elif kind == "tags":
                 self.refusals.lose("tags", len(payload))
+            elif kind == "summary":
+                self.refusals.lose("tags", len(self.held.constants()))
             elif kind != "logged":
                 self.refusals.lose("artifacts")
             unsent += kind != "logged"
@@ -247,9 +255,19 @@ class MlflowWriter:
             step, timestamp, metrics = payload
             self.refusals.step = step
             fresh = {key: value for key, value in metrics.items() if step > self.last_step.get(key, -1)}
-            if fresh:
-                self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
+            held = self.held.copy()
+            try:
+                for at_step, at_time, batch in self.held.split(step, timestamp, fresh):
+                    self.tracker.log_metrics(batch, at_step, timestamp_ms=at_time)
+            except Exception:  # retried as a whole: the held values as they were
+                self.held = held
+                raise
             self.last_step.update(dict.fromkeys(fresh, step))
+        elif kind == "summary":
+            if self.held.constants():
+                self.tracker.set_tags(self.held.constants())
+            for key in self.held.stale():
+                self.tracker.delete_tag(key)
         elif kind == "logged":
             self.logged_seq = max(self.logged_seq, payload)
         elif kind == "system":
