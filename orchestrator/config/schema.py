@@ -390,8 +390,9 @@ class TrackingSection:
     flush_timeout_s: float = 120.0
     """At the end, how long to keep retrying metrics MLflow has not taken yet before giving up on them."""
     system_metrics_interval_s: float = 10.0
-    """Sample each rank's CPU %, resident memory and (CUDA) GPU utilisation, memory and power every N seconds,
-    logged as MLflow system metrics `system/rank_<r>/...`; 0 turns it off."""
+    """Sample each rank's CPU %, resident memory and (CUDA) GPU utilisation, memory and power every N seconds
+    (sooner early on: a tenth of the time so far, at least 0.5 s, so a short run has 10 samples or more), logged as
+    MLflow system metrics `system/rank_<r>/...`; 0 turns it off."""
     register_model: Optional[str] = None
     """Register the logged model as a new version of this registered model (tagged with the preset, the run
     and its final metrics); a registry that refuses is a warning, never a failed run. Null: not registered."""
