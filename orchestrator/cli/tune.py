@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text = header + tuned_job(args.job, args.overrides, result.precision)
     args.output.write_text(text)
     uri = resolve_uri(cfg.tracking.uri, Path.cwd())
-    run_id, hint = log_tune(uri, cfg, args.job, result, text)
+    run_id, hint = log_tune(uri, cfg, args.job, result, text, args.output)
     print(summary(result, cfg), file=sys.stderr)
     print(f"wrote {args.output}\nTune run: {run_id}\nView it:  {hint}")
     return EXIT_OK

@@ -102,6 +102,16 @@ def standard_tags(job_path: Path, directory: Path) -> dict[str, str]:
     return tags
 
 
+def policy_tags(precision) -> dict[str, str]:
+    """What a run's `preset` and `compute_dtype` tags leave out of a per-layer policy (a tuned job's): its rules
+    in order (`precision_rules: conv1=bfloat16, head=float16`) and fp32 master weights when kept; {} for a policy
+    without rules."""
+    if not precision.rules:
+        return {}
+    rules = ", ".join(f"{rule.match}={rule.dtype}" for rule in precision.rules)
+    return {"precision_rules": rules[:5000], "master_weights": str(bool(precision.master_weights)).lower()}
+
+
 def register_model(tracker: "RunTracker", model_uri: str, name: str, tags: dict[str, Any]) -> Optional[str]:
     """`tracking.register_model`: the logged model (`runs:/RUN/NAME` or `models:/ID`) as a new version of `name`
     in the run's own store, tagged; its version, or None with a warning when the registry refuses (the run stands
