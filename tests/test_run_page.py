@@ -3,6 +3,7 @@ once are summary tags, not one-dot charts, while a counter that moves is charted
 in MiB; the experiment opens in MLflow's model-training view."""
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from conftest import small_job
@@ -104,3 +105,30 @@ def test_the_experiment_opens_in_mlflows_model_training_view_and_a_kind_its_owne
     cfg = load_job(write_job(small_job(tracking={"uri": mlflow_uri, "experiment": "genai"})))
     RunTracker.start(mlflow_uri, cfg, run_name="r", tags={}, params={}, config_yaml="a: 1\n")
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
+
+
+def test_the_logged_model_carries_the_runs_metrics_at_its_checkpoint_with_the_datasets_they_were_measured_on(
+        tracker, write_job):
+    from orchestrator.runner.outputs import model_tags
+    from orchestrator.tracking.lineage import DatasetLineage
+    from orchestrator.tracking.logged_model import ModelInputs
+
+    datasets = [DatasetLineage("digits", context, digest, "code", '{"tags": {}}', 100, [4], "float32", [], "int64",
+                               ((None, "float32", [4]),)) for context, digest in (("train", "aaaa1111"),
+                                                                               ("eval", "bbbb2222"))]
+    tracker.log_datasets(datasets)
+    for step, loss, accuracy in ((10, 0.9, 0.5), (20, 0.5, 0.8), (30, 0.4, 0.7)):
+        tracker.log_metrics({"train/loss": loss, "eval/accuracy": accuracy, "perf/samples_per_s": 100.0}, step)
+    tracker.log_model(torch.nn.Linear(4, 2).eval(), ModelInputs.from_shape([4]))
+    tracker.describe_model("model", step=20, tags={"model": "linear", "weights": "float32, eval mode"})
+
+    client = MlflowClient(tracking_uri=tracker.uri)
+    (model,) = client.search_logged_models([tracker.experiment_id])
+    linked = {m.key: (m.step, m.value, m.dataset_name, m.dataset_digest) for m in model.metrics}
+    assert linked == {"train/loss": (20, 0.5, "digits", "aaaa1111"), "eval/accuracy": (20, 0.8, "digits", "bbbb2222")}
+    assert model.name == "model" and model.tags["model"] == "linear"
+    # The run's own histories are unchanged: no point added twice.
+    assert history(tracker, "train/loss") == [(10, 0.9), (20, 0.5), (30, 0.4)]
+    tuned = load_job(write_job(small_job(precision={"rules": [{"match": "fc*", "dtype": "bfloat16"}]})))
+    assert model_tags(tuned, "pt2") == {"model": tuned.model.name, "weights": "float32, eval mode",
+                                        "trained_with": "custom (compute float32; fc*=bfloat16)", "format": "pt2"}

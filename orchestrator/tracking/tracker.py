@@ -226,6 +226,8 @@ class RunTracker:
         """Every write to the run MLflow refused, by kind (the driver shares one with the run's writer)."""
         self.artifacts_logged: set[str] = set()
         """The artifact paths this tracker logged (`missing_artifacts` checks they are still there)."""
+        self.logged_models: dict[str, str] = {}
+        """The id of each model this tracker logged, by name."""
 
     @classmethod
     def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
@@ -401,10 +403,42 @@ class RunTracker:
         try:
             with warnings.catch_warnings(), mlflow.start_run(run_id=self.run_id):
                 warnings.simplefilter("ignore")  # signature inference chatter
-                return logged_model.log_model(model, inputs, name, code_paths, requirements)
+                model_format, self.logged_models[name] = logged_model.log_model(model, inputs, name, code_paths,
+                                                                                requirements)
+                return model_format
         finally:
             if ended.end_time:  # a finished run's export: MLflow's end_run would make now its end, not training's
                 self._client.set_terminated(self.run_id, status=ended.status, end_time=ended.end_time)
+
+    @_write
+    def describe_model(self, name: str, step: Optional[int] = None, tags: Optional[dict[str, str]] = None) -> None:
+        """What MLflow's page of the logged model `name` shows besides its files: the run's `train/` and `eval/`
+        metrics as they were at `step` (the checkpoint logged; default the newest), each linked to the model and
+        to the dataset it was measured on (the run's `train` or `eval` input: the page's "Datasets used"), and
+        `tags`."""
+        from mlflow.entities import Metric
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        model_id = self.logged_models[name]
+        run = self._client.get_run(self.run_id)
+        datasets = {tag.value: entry.dataset for entry in (run.inputs.dataset_inputs if run.inputs else [])
+                    for tag in entry.tags if tag.key == MLFLOW_DATASET_CONTEXT}
+        linked = []
+        for key in sorted(run.data.metrics):
+            if not key.startswith(("train/", "eval/")):
+                continue
+            history = sorted(self.metric_history(key), key=lambda m: (m.step, m.timestamp))
+            until = [m for m in history if step is None or m.step <= step]
+            if not until:
+                continue
+            dataset = datasets.get("eval" if key.startswith("eval/") else "train")
+            linked.append(Metric(key, until[-1].value, until[-1].timestamp, until[-1].step, model_id=model_id,
+                                 dataset_name=dataset.name if dataset else None,
+                                 dataset_digest=dataset.digest if dataset else None, run_id=self.run_id))
+        if linked:
+            self._client.log_batch(self.run_id, metrics=linked)
+        if tags:
+            self._client.set_logged_model_tags(model_id, redact_all(tags))
 
     # -- reading ----------------------------------------------------------------------------------
 
