@@ -8,7 +8,7 @@ from mlflow import MlflowClient
 
 from conftest import small_job
 from orchestrator.config import load_job
-from orchestrator.tracking.tracker import EXPERIMENT_KIND_TAG, TRAINING_KIND, RunTracker
+from orchestrator.tracking.tracker import EXPERIMENT_KIND_TAG, TRAINING_KIND, RunTracker, view_hint
 from orchestrator.tracking.writer import MlflowWriter
 from orchestrator.train.report import Report
 
@@ -31,7 +31,8 @@ def test_counters_that_stay_put_end_as_summary_tags_and_a_counter_that_moves_is_
         writer.enqueue(Report(step=step, metrics={
             "train/loss": 1.0 / step, "amp/nan_loss_steps": 0.0, "amp/growth_events": 0.0,
             "amp/skipped_steps": skipped, "system/world_size": 2.0,
-            "memory/params_float32_bytes": 1_074_600.0, "memory/peak_bytes": peak,
+            "memory/params_float32_bytes": 1_074_600.0, "memory/activations_float32_bytes": 1284.0,
+            "memory/peak_bytes": peak,
             **({"perf/time_to_first_step_s": 12.5} if step == 5 else {})}))
     writer.close(timeout_s=5)
 
@@ -42,7 +43,8 @@ def test_counters_that_stay_put_end_as_summary_tags_and_a_counter_that_moves_is_
         assert key not in charted and key in tags, key
     assert (tags["amp/nan_loss_steps"], tags["system/world_size"], tags["perf/time_to_first_step_s"]) == \
         ("0", "2", "12.5")
-    assert tags["memory/params_float32_bytes"] == "1074600 (1.02 MiB)"
+    assert tags["memory/params_float32_bytes"] == "1.02 MiB (1074600 B)"
+    assert tags["memory/activations_float32_bytes"] == "1.3 KiB (1284 B)"
     # It moved at step 15: charted from its first step, its held value kept until the step before.
     assert history(tracker, "amp/skipped_steps") == [(5, 0.0), (10, 0.0), (15, 2.0), (20, 2.0)]
     assert history(tracker, "memory/peak_bytes") == [(5, 3 * 2**20), (10, 3 * 2**20), (15, 4 * 2**20),
@@ -100,6 +102,11 @@ def test_the_experiment_opens_in_mlflows_model_training_view_and_a_kind_its_owne
     cfg = load_job(write_job(small_job(tracking={"uri": mlflow_uri, "experiment": "made-elsewhere"})))
     RunTracker.start(mlflow_uri, cfg, run_name="r", tags={}, params={}, config_yaml="a: 1\n")
     assert client.get_experiment(existing).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+    # MLflow 3.17 chooses the view from the URL: the links ampflow prints ask for the model-training one.
+    assert view_hint("http://mlflow:5000/", "3", "abc") == \
+        "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    assert view_hint(mlflow_uri, "3", "abc").endswith("#/experiments/3/runs/abc?workflowType=machine_learning")
 
     chosen = client.create_experiment("genai", tags={EXPERIMENT_KIND_TAG: "genai_development"})
     cfg = load_job(write_job(small_job(tracking={"uri": mlflow_uri, "experiment": "genai"})))

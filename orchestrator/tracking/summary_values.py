@@ -7,13 +7,14 @@ back the keys named here (`held`): while a key keeps its first value nothing is 
 held value (at its first and its last step before the change) and every later value are logged as the metric,
 under the same name, so a counter that moves is charted as before. At the run's end, each held key that never
 changed becomes a run tag of the same name (`amp/nan_loss_steps: 0`), which MLflow's run overview lists; memory
-reads in MiB there (`memory/params_bytes: 1074600 (1.02 MiB)`), and a memory metric that is charted gets a
+reads in MiB there (`memory/params_bytes: 1.02 MiB (1074600 B)`), and a memory metric that is charted gets a
 `..._mib` twin beside its `..._bytes`.
 
 `values(metrics, tags)` gives a run's numbers either way: its metrics, and its summary values read back.
 """
 
 import math
+import re
 from typing import Mapping, Optional
 
 HELD_KEYS = frozenset({
@@ -48,15 +49,22 @@ def with_mib(metrics: dict[str, float]) -> dict[str, float]:
 def tag_text(key: str, value: float) -> str:
     """How a summary value reads as a tag: the number (an integer without `.0`), memory with its MiB."""
     number = f"{value:.0f}" if math.isfinite(value) and value == int(value) else f"{value:.6g}"
-    if mib_key(key) is not None:
-        return f"{number} ({value / MIB:.2f} MiB)"
+    if mib_key(key) is not None:  # the readable part first: the run page cuts a long tag short
+        return f"{readable_bytes(value)} ({number} B)"
     return number
 
 
+def readable_bytes(value: float) -> str:
+    """Bytes as a person reads them: MiB, or KiB below a hundredth of one (`1284` -> `1.3 KiB`)."""
+    return f"{value / MIB:.2f} MiB" if abs(value) >= MIB / 100 else f"{value / 1024:.1f} KiB"
+
+
 def tag_value(text: str) -> Optional[float]:
-    """The number a summary tag holds (`tag_text` read back), or None when the text is not one."""
+    """The number a summary tag holds (`tag_text` read back: the bytes of a memory value), or None when the text
+    is not one."""
+    exact = re.search(r"\(([^ ]+) B\)$", text)
     try:
-        return float(text.split(" ", 1)[0])
+        return float(exact.group(1) if exact else text.split(" ", 1)[0])
     except (ValueError, IndexError):
         return None
 

@@ -67,13 +67,18 @@ def resolve_uri(configured: Optional[str], base_dir: Path) -> str:
     return uri
 
 
+TRAINING_VIEW = "?workflowType=machine_learning"
+"""What opens MLflow 3.17's UI in its model-training view: it chooses the view from the URL's `workflowType`, else
+from the browser's last choice (GenAI by default); older 3.x UIs read the experiment's `mlflow.experimentKind`."""
+
+
 def view_hint(uri: str, experiment_id: str, run_id: str) -> str:
     """How to look at the run: the UI URL for a server, the `mlflow ui` command for a local store."""
     if uri.startswith(("http://", "https://")):
-        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
     return (
         f"mlflow ui --backend-store-uri {uri}\n"
-        f"  then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
+        f"  then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
     )
 
 
@@ -170,7 +175,8 @@ def _sqlite_store_lock(uri: str):
 
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-"""The experiment tag MLflow's UI reads to choose the experiment's view (its server's JS, `experimentKind`)."""
+"""The experiment tag MLflow's UI (3.x before 3.17) reads to choose the experiment's view (its JS's
+`experimentKind`); 3.17 reads the URL's `workflowType` instead (`TRAINING_VIEW`)."""
 
 TRAINING_KIND = "custom_model_development"
 """The value that opens the model-training view (runs, metrics charts), not the GenAI one (traces, evaluations)."""
