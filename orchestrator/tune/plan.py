@@ -111,12 +111,14 @@ CHART_PANELS = (("output_error", "output error"), ("grad_error", "gradient error
 
 def chart(table: list[dict[str, Any]], tolerance: Optional[float] = None):
     """Each layer in each dtype: its output error, its gradient error (log axes, `tolerance` dashed) and its time
-    relative to the layer's fp32 time, one bar per dtype measured; a dtype never measured (refused before, e.g.
+    relative to the layer's fp32 time (linear), one bar per dtype measured; a dtype never measured (refused before, e.g.
     float8 off a Linear layer) draws no bar. The chosen dtype outlined in black, refused ones hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     layers = list(dict.fromkeys(row["layer"] for row in table))
     dtypes = list(dict.fromkeys(row["dtype"] for row in table))
@@ -141,7 +143,9 @@ def chart(table: list[dict[str, Any]], tolerance: Optional[float] = None):
                 xs.append(i + offset)
                 heights.append(max(value, 1e-9))
                 rows.append(row)
-            bars = axis.bar(xs, heights, width, label=dtype, color=colours[dtype])
+            if not xs:
+                continue
+            bars = axis.bar(xs, heights, width, color=colours[dtype])
             for bar, row in zip(bars, rows):
                 bar.set_gid(f"{row['layer']}|{dtype}|{column}")
                 if not row["allowed"]:
@@ -149,16 +153,22 @@ def chart(table: list[dict[str, Any]], tolerance: Optional[float] = None):
                 if row["chosen"]:
                     bar.set_edgecolor("black")
                     bar.set_linewidth(2)
-        axis.set_yscale("log")
         axis.set_ylabel(label)
-        if column == "cost_s":
+        if column == "cost_s":  # a ratio to fp32's time: linear, from 0
             axis.axhline(1.0, color="grey", linewidth=0.8)
-        elif tolerance is not None:
-            axis.axhline(tolerance, color="red", linestyle="--", linewidth=1, label="tune.tolerance")
+            axis.set_ylim(bottom=0)
+            continue
+        axis.set_yscale("log")
+        if tolerance is not None:
+            axis.axhline(tolerance, color="red", linestyle="--", linewidth=1)
     axes[-1].set_xticks([i + (len(dtypes) - 1) * width / 2 for i in range(len(layers))], layers, rotation=60,
                         ha="right", fontsize=8)
-    axes[0].set_title("Per-layer sensitivity, each layer alone lowered\n(outlined: chosen; hatched: refused; "
-                      "no bar: not measured)", fontsize=10)
-    axes[0].legend(fontsize=8, ncol=len(dtypes) + 1)
-    figure.tight_layout()
+    figure.suptitle("Per-layer sensitivity, each layer alone lowered (outlined: chosen; hatched: refused; "
+                    "no bar: not measured)", fontsize=10)
+    handles = [Patch(color=colours[dtype], label=dtype) for dtype in dtypes]
+    if tolerance is not None:
+        handles.append(Line2D([], [], color="red", linestyle="--", label=f"tune.tolerance {tolerance:g}"))
+    figure.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=len(handles), fontsize=8,
+                  frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
     return figure
