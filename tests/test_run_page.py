@@ -137,5 +137,8 @@ def test_the_logged_model_carries_the_runs_metrics_at_its_checkpoint_with_the_da
     # The run's own histories are unchanged: no point added twice.
     assert history(tracker, "train/loss") == [(10, 0.9), (20, 0.5), (30, 0.4)]
     tuned = load_job(write_job(small_job(precision={"rules": [{"match": "fc*", "dtype": "bfloat16"}]})))
-    assert model_tags(tuned, "pt2") == {"model": tuned.model.name, "weights": "float32, eval mode",
-                                        "trained_with": "custom (compute float32; fc*=bfloat16)", "format": "pt2"}
+    tags = model_tags(tuned, "pt2")
+    assert {key: tags[key] for key in ("model", "weights", "trained_with", "format")} == {
+        "model": tuned.model.name, "weights": "float32, eval mode",
+        "trained_with": "custom (compute float32; fc*=bfloat16)", "format": "pt2"}
+    assert "fc*=bfloat16" in tags["mlflow.note.content"]  # the page's description

@@ -63,12 +63,19 @@ def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequ
     return f"runs:/{tracker.run_id}/model"
 
 
+MODEL_DESCRIPTION = "mlflow.note.content"
+"""The tag MLflow's UI shows as a logged model's (or a run's) description."""
+
+
 def model_tags(cfg: DictConfig, model_format: str) -> dict[str, str]:
-    """What the logged model is, on its page: the job's model, its fp32 weights, the policy it trained under."""
+    """What the logged model is, on its page: the job's model, its fp32 weights, the policy it trained under, and
+    the same in words as the page's description (MLflow's `mlflow.note.content`, shown first)."""
     rules = ", ".join(f"{rule.match}={rule.dtype}" for rule in cfg.precision.rules)
     policy = cfg.precision.preset or f"custom (compute {cfg.precision.compute_dtype}{'; ' + rules if rules else ''})"
     return {"model": str(cfg.model.name), "weights": "float32, eval mode", "trained_with": policy,
-            "format": model_format}
+            "format": model_format,
+            MODEL_DESCRIPTION: f"{cfg.model.name} as trained, its weights in float32 and in eval mode ({model_format}); "
+                               f"trained with the precision policy {policy}."}
 
 
 def chosen_checkpoint(cfg: DictConfig, result, tracker):
