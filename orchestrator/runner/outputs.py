@@ -74,8 +74,8 @@ def model_tags(cfg: DictConfig, model_format: str) -> dict[str, str]:
     policy = cfg.precision.preset or f"custom (compute {cfg.precision.compute_dtype}{'; ' + rules if rules else ''})"
     return {"model": str(cfg.model.name), "weights": "float32, eval mode", "trained_with": policy,
             "format": model_format,
-            MODEL_DESCRIPTION: f"{cfg.model.name} as trained, its weights in float32 and in eval mode ({model_format}); "
-                               f"trained with the precision policy {policy}."}
+            MODEL_DESCRIPTION: f"{cfg.model.name} as trained, its weights in float32 and in eval mode "
+                               f"({model_format}); trained with the precision policy {policy}."}
 
 
 def chosen_checkpoint(cfg: DictConfig, result, tracker):

@@ -170,7 +170,7 @@ def log_model(model: torch.nn.Module, inputs: ModelInputs, name: str, code_paths
     from mlflow.models import Model  # mlflow: seconds to import (see `save_model`)
 
     chosen: list[str] = []
-    info = Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model), flavor_name="pytorch",
-              pytorch_model=model, inputs=inputs, code_paths=code_paths, pip_requirements=pip_requirements,
-              chosen=chosen)
+    info = Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model),
+                     flavor_name="pytorch", pytorch_model=model, inputs=inputs, code_paths=code_paths,
+                     pip_requirements=pip_requirements, chosen=chosen)
     return chosen[0], info.model_id
