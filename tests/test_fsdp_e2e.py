@@ -133,7 +133,7 @@ def test_the_text_example_trains_on_two_fsdp_workers_through_submit_and_logs_a_m
                  "tracking.log_every_n_steps=1", "tracking.system_metrics_interval_s=0"]) == 0
 
     client, run = only_run(uri, "text-classification")
-    metrics = run.data.metrics
+    metrics = values(run.data.metrics, run.data.tags)
     assert 0 < metrics["eval/f1_macro"] <= 1 and metrics["memory/rank0_state_bytes"] > 0
     audit = {e["name"]: e for e in artifact_json(client, run.info.run_id, "precision/audit.json")}
     for name in ("tokens", "positions"):  # the rule's layers: units of their own, stored in fp32
