@@ -142,3 +142,20 @@ def test_the_logged_model_carries_the_runs_metrics_at_its_checkpoint_with_the_da
         "model": tuned.model.name, "weights": "float32, eval mode",
         "trained_with": "custom (compute float32; fc*=bfloat16)", "format": "pt2"}
     assert "fc*=bfloat16" in tags["mlflow.note.content"]  # the page's description
+
+
+def test_a_held_value_is_in_the_run_as_soon_as_its_report_counts_as_logged(tracker):
+    """The workers drop a report once the writer says it is logged: a driver dying after that must not take a
+    held value with it, so its summary tag is written with its first report, and goes once the value moves."""
+    told = []
+    writer = MlflowWriter(relay=None, tracker=tracker, on_logged=told.append)
+    writer.enqueue(Report(seq=1, step=5, metrics={"amp/nan_loss_steps": 0.0, "memory/params_bytes": 2048.0}))
+    assert writer._flush(force=True)
+    writer._tell_logged(force=True)
+    assert told == [1]
+    assert tracker.tags()["amp/nan_loss_steps"] == "0" and tracker.tags()["memory/params_bytes"] == "2.0 KiB (2048 B)"
+    writer.enqueue(Report(seq=2, step=10, metrics={"amp/nan_loss_steps": 1.0, "memory/params_bytes": 2048.0}))
+    assert writer._flush(force=True)
+    assert "amp/nan_loss_steps" not in tracker.tags() and history(tracker, "amp/nan_loss_steps") == [(5, 0.0),
+                                                                                                    (10, 1.0)]
+    assert tracker.tags()["memory/params_bytes"] == "2.0 KiB (2048 B)"

@@ -3,10 +3,10 @@
 MLflow charts every metric, so a counter that stays 0 all run (`amp/nan_loss_steps`), a value reported once
 (`perf/time_to_first_step_s`) or one that never changes (`system/world_size`, `memory/params_bytes`) is a chart
 of one dot or a flat line that says less than a number would. The writer (`orchestrator.tracking.writer`) holds
-back the keys named here (`held`): while a key keeps its first value nothing is logged; once it changes, its
-held value (at its first and its last step before the change) and every later value are logged as the metric,
-under the same name, so a counter that moves is charted as before. At the run's end, each held key that never
-changed becomes a run tag of the same name (`amp/nan_loss_steps: 0`), which MLflow's run overview lists; memory
+back the keys named here (`held`): while a key keeps its first value nothing is logged; meanwhile it is a run
+tag of the same name (`amp/nan_loss_steps: 0`), written with its first report, which MLflow's run overview lists.
+Once it changes, the tag goes, and its held value (at its first and its last step before the change) and every
+later value are logged as the metric, under the same name, so a counter that moves is charted as before; memory
 reads in MiB there (`memory/params_bytes: 1.02 MiB (1074600 B)`), and a memory metric that is charted gets a
 `..._mib` twin beside its `..._bytes`.
 
@@ -91,7 +91,8 @@ class Held:
         self.moved: set[str] = set()
         """Held keys that changed: logged as metrics from then on."""
         self.tagged: set[str] = set()
-        """Summary tags an earlier attempt of the run left (a resumed run): removed once their key moves."""
+        """The held keys whose summary tag the run has (written with the key's first report, or left by an earlier
+        attempt): removed once their key moves."""
 
     def copy(self) -> "Held":
         other = Held()
@@ -140,6 +141,11 @@ class Held:
         """The held keys that never changed, as summary tags."""
         return {key: tag_text(key, value) for key, (_, _, value) in sorted(self.first.items())}
 
+    def untagged(self) -> dict[str, str]:
+        """The summary tags to write: held keys not tagged yet (a tag is written with a key's first report, so
+        that a report counted as logged has all of its values in the run, held ones included)."""
+        return {key: text for key, text in self.constants().items() if key not in self.tagged}
+
     def stale(self) -> list[str]:
-        """Summary tags of an earlier attempt whose key has moved since: the chart tells it now."""
+        """Summary tags whose key has moved since: the chart tells it now."""
         return sorted(self.tagged & self.moved)

@@ -2,8 +2,8 @@
 
 A thread drains the report relay every second and applies what it got to the run: metrics
 (each metric at most once per step: repeats after a restart, or an epoch-end report at the step
-of the report before it, are dropped; counters and values that never change are held back and end as
-summary tags, `orchestrator.tracking.summary_values`), every rank's system samples (each at its own time, at most
+of the report before it, are dropped; counters and values set once are summary tags until they change,
+`orchestrator.tracking.summary_values`), every rank's system samples (each at its own time, at most
 once), tags, JSON artifacts, and the merged overflow log. When
 MLflow is down the records wait in memory (training never waits) and are backfilled, with their
 original timestamps, once it answers again. With `tracking.required: false` the run itself may
@@ -113,7 +113,6 @@ class MlflowWriter:
             self._drain(timeout_s=min(RELAY_TIMEOUT_S, timeout_s))
         except Exception as exc:  # the relay went down with the workers (an interrupt): log what was taken already
             logger.warning("ampflow: the last reports could not be read from the relay (%s).", exc)
-        self.pending.append(("summary", None))  # last: what never changed, once every report is in
         deadline = time.monotonic() + timeout_s
         while not self._flush(force=True) and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
@@ -128,8 +127,6 @@ class MlflowWriter:
                 self.refusals.lose("metric values", len(payload[2]))
             elif kind == "tags":
                 self.refusals.lose("tags", len(payload))
-            elif kind == "summary":
-                self.refusals.lose("tags", len(self.held.constants()))
             elif kind != "logged":
                 self.refusals.lose("artifacts")
             unsent += kind != "logged"
@@ -259,15 +256,15 @@ class MlflowWriter:
             try:
                 for at_step, at_time, batch in self.held.split(step, timestamp, fresh):
                     self.tracker.log_metrics(batch, at_step, timestamp_ms=at_time)
+                if self.held.untagged():
+                    self.tracker.set_tags(self.held.untagged())
+                for key in self.held.stale():
+                    self.tracker.delete_tag(key)
             except Exception:  # retried as a whole: the held values as they were
                 self.held = held
                 raise
+            self.held.tagged = (self.held.tagged | set(self.held.constants())) - self.held.moved
             self.last_step.update(dict.fromkeys(fresh, step))
-        elif kind == "summary":
-            if self.held.constants():
-                self.tracker.set_tags(self.held.constants())
-            for key in self.held.stale():
-                self.tracker.delete_tag(key)
         elif kind == "logged":
             self.logged_seq = max(self.logged_seq, payload)
         elif kind == "system":
