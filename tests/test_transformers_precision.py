@@ -112,7 +112,7 @@ def text_dir(tmp_path, monkeypatch):
 def preflight_policy(cfg):
     """Pre-flight's data and policy checks, as submit runs them before Ray starts; the first training batch."""
     from orchestrator.runner.preflight import check_data_fits_model
-    from orchestrator.runner.preflight_precision import check_policy_kept
+    from orchestrator.precision.kept import check_policy_kept
     from orchestrator.train.models import build_model
 
     model, first = build_model(cfg.model), []
@@ -155,9 +155,9 @@ def test_submit_refuses_the_lowered_query_before_ray_starts(text_dir, write_job)
 def test_the_tuner_lowers_the_attention_projections_together(text_dir, write_job):
     from orchestrator.train import task
     from orchestrator.train.models import build_model
-    from orchestrator.tune import run as tune_run
-    from orchestrator.tune.plan import options
-    from orchestrator.tune.probe import Probe
+    from orchestrator.autotune import run as tune_run
+    from orchestrator.autotune.plan import options
+    from orchestrator.autotune.probe import Probe
 
     cfg = load_job(write_job(bert_job()))
     torch.manual_seed(0)

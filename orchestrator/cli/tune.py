@@ -67,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if uri is None:
         return EXIT_OK
     try:
-        run_id, hint = log_tune(uri, cfg, args.job, result, text)
+        run_id, hint = log_tune(uri, cfg, args.job, result, text, args.output)
     except Exception as exc:  # answered at the start, not now: one line, not MLflow's traceback
         detail = (str(exc).splitlines() or [""])[0]
         print(f"{'error' if cfg.tracking.required else 'warning'}: the tuned job is written to {args.output}, but "

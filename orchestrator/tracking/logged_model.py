@@ -279,12 +279,13 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
 
 
 def log_model(model: torch.nn.Module, inputs: ModelInputs, name: str, code_paths: Optional[list[str]],
-              pip_requirements: list[str]) -> str:
-    """Log `model` under the active run as MLflow model `name`; returns the format used (`pt2` or `pickle`)."""
+              pip_requirements: list[str]) -> tuple[str, str]:
+    """Log `model` under the active run as MLflow model `name`; returns the format used (`pt2` or `pickle`) and
+    the logged model's id."""
     from mlflow.models import Model  # mlflow: seconds to import (see `save_model`)
 
     chosen: list[str] = []
-    Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model), flavor_name="pytorch",
-              pytorch_model=model, inputs=inputs, code_paths=code_paths, pip_requirements=pip_requirements,
-              chosen=chosen)
-    return chosen[0]
+    info = Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model),
+                     flavor_name="pytorch", pytorch_model=model, inputs=inputs, code_paths=code_paths,
+                     pip_requirements=pip_requirements, chosen=chosen)
+    return chosen[0], info.model_id
