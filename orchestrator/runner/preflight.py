@@ -39,7 +39,7 @@ from orchestrator.train.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.train.resume import Layout, check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import SummedMetric, build_loss, build_metric, fp32, prediction
+from orchestrator.train.task import Perplexity, SummedMetric, build_loss, build_metric, fp32, prediction
 
 
 @dataclass
@@ -203,7 +203,8 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
         try:
             metric.reset(torch.device("cpu"))
             metric.update(fp32(outputs), targets)
-            computed = metric.sums if isinstance(metric, SummedMetric) else metric.compute()
+            computed = metric.sums if isinstance(metric, SummedMetric) else \
+                metric.of_loss(0.0) if isinstance(metric, Perplexity) else metric.compute()
         except Exception as exc:
             raise refuse(f"task.metrics[{index}]", spec.name, exc) from None
         names.update(f"eval/{key}" for key in computed)
