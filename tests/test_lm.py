@@ -203,3 +203,177 @@ def test_a_missing_corpus_is_exit_2_naming_the_file_before_ray_starts(tmp_path, 
     assert main([str(write_job(job))]) == 2
     err = capsys.readouterr().err
     assert "data.kwargs.path:" in err and "missing.txt is not a file" in err and "Traceback" not in err
+
+
+# -- named inputs in every loader -----------------------------------------------------------------------------------
+
+
+def test_gpt2s_attention_mask_reaches_its_forward_by_name_in_every_loader_of_the_logged_model(mlflow_uri, tmp_path,
+                                                                                            monkeypatch):
+    """GPT-2's forward is (input_ids, cache, attention_mask, ...): the mask is bound by its name, never into `cache`
+    by its place in task.inputs. The model exports to pt2 all the same; the program, the pyfunc and its raw model
+    give the logits GPT-2 gives for the same padded batch, the mask heeded."""
+    import mlflow
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from orchestrator.config import load_job
+    from orchestrator.tracking.logged_model import ModelInputs
+    from orchestrator.tracking.tracker import RunTracker
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_positions=16, n_embd=32, n_layer=1, n_head=2)).eval()
+    ids = torch.randint(0, 60, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0  # left padding: the mask changes row 1's logits
+    inputs = ModelInputs.from_example(gpt2, {"named": {"input_ids": ids, "attention_mask": mask}})
+    assert inputs.names == ["input_ids", "attention_mask"] and inputs.positional == 1
+
+    monkeypatch.chdir(tmp_path)  # the store's artifacts (./mlruns) go there
+    cfg = load_job(REPO / "jobs" / "quickstart.yaml", [f"tracking.uri={mlflow_uri}"])
+    tracker = RunTracker.start(mlflow_uri, cfg, run_name="gpt2", tags={}, params={}, config_yaml="")
+    assert tracker.log_model(gpt2, inputs) == "pt2"
+    ids, mask = torch.randint(0, 60, (3, 16)), torch.ones(3, 16, dtype=torch.long)
+    mask[0, :7] = 0
+    with torch.no_grad():
+        expected = gpt2(input_ids=ids, attention_mask=mask).logits
+        unmasked = gpt2(input_ids=ids).logits
+    assert not torch.allclose(expected[0], unmasked[0], atol=1e-4)
+
+    uri = f"runs:/{tracker.run_id}/model"
+    assert torch.allclose(mlflow.pytorch.load_model(uri)(ids, mask)["logits"], expected, atol=1e-5)
+    pyfunc = mlflow.pyfunc.load_model(uri)
+    predicted = pyfunc.predict({"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    assert predicted.shape == (3, 16, 60) and torch.allclose(torch.from_numpy(predicted), expected, atol=1e-5)
+    for program in (pyfunc.get_raw_model(), tracker.load_model()):
+        for outputs in (program(ids, mask), program(input_ids=ids, attention_mask=mask),
+                        program(attention_mask=mask, input_ids=ids)):
+            assert torch.allclose(outputs["logits"], expected, atol=1e-5)
+
+
+# -- the job through submit: 2 CPU ranks, logged, predicted ----------------------------------------------------------
+
+GPT2 = {"name": "transformers:GPT2LMHeadModel",
+        "kwargs": {"vocab_size": 300, "n_positions": 32, "n_embd": 32, "n_layer": 1, "n_head": 2}}
+
+
+def lm_job(uri: str, data_root: Path, model: dict, **task) -> dict:
+    """jobs/lm.yaml at a test's size: 32-token blocks, a 300-token BPE, 4 steps of 8 blocks per rank."""
+    job = yaml.safe_load((REPO / "jobs" / "lm.yaml").read_text())
+    job["data"]["root"] = str(data_root)
+    job["data"]["kwargs"].update(vocab_size=300, block_size=32, eval_fraction=0.02)
+    job["model"] = model
+    job["task"].update(task)
+    job["run"].update(epochs=1, batch_size=8, max_steps_per_epoch=4)
+    job["tracking"].update(uri=uri, log_every_n_steps=2, system_metrics_interval_s=0)
+    return job
+
+
+def train(tmp_path_factory, template: Path, name: str, model: dict, **task):
+    """One submit of the LM job with `model`; (store URI, the finished run)."""
+    import shutil
+
+    from orchestrator.cli.submit import main
+    from test_submit_e2e import only_run
+
+    directory = tmp_path_factory.mktemp(name)
+    shutil.copyfile(template, directory / "mlflow.db")
+    uri = f"sqlite:///{directory / 'mlflow.db'}"
+    job = lm_job(uri, directory / "data", model, **task)
+    job["checkpoint"] = {"storage_path": str(directory / "checkpoints")}
+    path = directory / "lm.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    assert main([str(path)]) == 0
+    return uri, only_run(uri, "lm")[1], directory
+
+
+@pytest.fixture(scope="module")
+def built_in_run(ray_session, tmp_path_factory, _mlflow_template):
+    return train(tmp_path_factory, _mlflow_template, "built-in",
+                 {"name": "transformer_lm", "kwargs": {"vocab_size": 300, "block_size": 32, **TINY}})
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(ray_session, tmp_path_factory, _mlflow_template):
+    return train(tmp_path_factory, _mlflow_template, "gpt2", GPT2, loss="model")
+
+
+def predict_eval(uri: str, run, directory: Path, capsys) -> torch.Tensor:
+    from orchestrator.cli.predict import main
+
+    output = directory / "logits.pt"
+    assert main([run.info.run_id, "--tracking-uri", uri, "--output", str(output)]) == 0, capsys.readouterr().err
+    return torch.load(output, weights_only=True)
+
+
+@pytest.mark.slow
+def test_the_built_in_lm_trains_on_two_ranks_with_perplexity_and_tokens_per_s(built_in_run):
+    from mlflow import MlflowClient
+
+    uri, run, _ = built_in_run
+    metrics = run.data.metrics
+    assert run.info.status == "FINISHED" and run.data.params["scaling.num_workers"] == "2"
+    assert math.log(300) - 1.5 < metrics["eval/loss"] < math.log(300) + 0.5  # 8 steps from a uniform guess
+    assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]), rel=1e-6)
+    # every sample is 32 tokens: tokens/s is 32 x samples/s, at each report
+    client = MlflowClient(tracking_uri=uri)
+    tokens = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "perf/tokens_per_s")}
+    samples = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "perf/samples_per_s")}
+    assert tokens and all(tokens[step] == pytest.approx(32 * samples[step]) for step in tokens)
+
+
+@pytest.mark.slow
+def test_ampflow_predict_gives_the_built_in_lms_logits_by_run_and_through_its_pyfunc(built_in_run, capsys):
+    import mlflow
+
+    from orchestrator.cli.predict import main
+    from orchestrator.train.text import lm_text
+
+    uri, run, directory = built_in_run
+    evaluation = lm_text(SimpleNamespace(kwargs={"vocab_size": 300, "block_size": 32, "eval_fraction": 0.02},
+                                         root=str(directory / "data")))[1]
+    logits = predict_eval(uri, run, directory, capsys)
+    assert logits.shape == (len(evaluation), 32, 300) and logits.dtype == torch.float32
+    # a file of token ids, by name, and the logged model's pyfunc, give the same logits
+    ids = evaluation.ids[:3]
+    torch.save({"input_ids": ids}, directory / "ids.pt")
+    assert main([run.info.run_id, "--tracking-uri", uri, "--data", str(directory / "ids.pt"),
+                 "--output", str(directory / "some.pt")]) == 0
+    assert torch.allclose(torch.load(directory / "some.pt", weights_only=True), logits[:3], atol=1e-5)
+    mlflow.set_tracking_uri(uri)
+    pyfunc = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    assert torch.allclose(torch.from_numpy(pyfunc.predict(ids.numpy())), logits[:3], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_hugging_face_gpt2_trains_through_the_same_job_with_its_own_loss_and_predicts_its_logits(gpt2_run, capsys):
+    uri, run, directory = gpt2_run
+    metrics = run.data.metrics
+    assert run.info.status == "FINISHED" and math.isfinite(metrics["eval/loss"])
+    assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]), rel=1e-6)
+    assert metrics["perf/tokens_per_s"] > 0
+    logits = predict_eval(uri, run, directory, capsys)
+    assert logits.dim() == 3 and logits.shape[1:] == (32, 300) and torch.isfinite(logits).all()
+
+
+def test_hugging_face_llama_built_from_a_config_takes_the_lm_blocks_with_either_loss(tmp_path):
+    """`LlamaForCausalLM` through `model.name` and `model.kwargs` (its config's): the next-token loss on its logits
+    is the loss it computes itself from `labels`."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.train.batch import BatchLayout
+    from orchestrator.train.models import build_model
+    from orchestrator.train.task import build_loss
+    from orchestrator.train.text import lm_text
+
+    torch.manual_seed(0)
+    llama = build_model(OmegaConf.create({"name": "transformers:LlamaForCausalLM", "num_classes": 10, "kwargs": {
+        "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}})).eval()
+    train, _ = lm_text(text_data(tmp_path, vocab_size=300))
+    raw = {key: torch.stack([train[i][key] for i in range(4)]) for key in ("input_ids", "labels")}
+    task = SimpleNamespace(loss="model", target="labels", inputs=["input_ids"], output=None)
+    with torch.no_grad():
+        own = build_loss(task)(BatchLayout.from_task(task).batch(raw).forward(llama), raw["labels"])
+        task.loss = "next_token"
+        ours = build_loss(task)(BatchLayout.from_task(task).batch(raw).forward(llama), raw["labels"])
+    assert float(ours) == pytest.approx(float(own), rel=1e-5) and math.log(300) - 1 < float(ours) < math.log(300) + 1

@@ -14,7 +14,8 @@ from omegaconf import MISSING
 @dataclass
 class ModelSection:
     name: str = MISSING
-    """Registry name (`simple_cnn`, `resnet18`) or an import path `package.module:Name`."""
+    """Registry name (`simple_cnn`, `resnet18`, `three_conv`, `transformer_lm`) or an import path
+    `package.module:Name`."""
     num_classes: int = 10
     """Size of the classifier's output layer (>= 1)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -43,6 +44,7 @@ class TransformsSection:
 class DataSection:
     name: str = MISSING
     """Dataset: `cifar10` (torchvision, with CIFAR's own recipe), `digits` (scikit-learn, offline), `synthetic`,
+    `lm_text` (English text in blocks of token ids for a causal LM, offline; its settings in `kwargs`: docs/lm.md),
     a torchvision dataset by name (`MNIST`, `FashionMNIST`, `CIFAR100`, `SVHN`, ...), `ImageFolder` (over
     `root/train` and `root/val`), or an import path `package.module:factory` to your own function returning
     (train dataset, eval dataset)."""
@@ -59,7 +61,8 @@ class DataSection:
     synthetic_shape: List[int] = field(default_factory=lambda: [3, 32, 32])
     """Shape of one `synthetic` sample (channels, height, width, or any other); CIFAR's by default."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for an import-path dataset factory."""
+    """Keyword arguments for an import-path dataset factory, or `lm_text`'s settings (`path`, `tokenizer`,
+    `vocab_size`, `block_size`, `eval_fraction`)."""
     transforms: TransformsSection = field(default_factory=TransformsSection)
     """Image transforms for torchvision datasets and ImageFolder (ToTensor always)."""
     loader: str = "auto"
@@ -90,17 +93,18 @@ class MetricSection:
 @dataclass
 class TaskSection:
     loss: str = "cross_entropy"
-    """`cross_entropy` (classification), `mse`, `bce_with_logits`, `model` (the loss the model returns, its
+    """`cross_entropy` (classification), `mse`, `bce_with_logits`, `next_token` (a causal language model's: the
+    logits [N, T, vocab] at each position against the next position's label, -100 ignored), `model` (the loss the model returns, its
     outputs' `loss`: the model is given the targets as well, under `task.target`'s name or `labels`, as Hugging Face
     models take them), or an import path `package.module:fn` to your own `fn(outputs, targets) -> loss` (the batch
     mean)."""
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
     metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
-    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, import paths to your own
-    `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name: <torchmetrics Metric
-    class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A bare string is `{name:
-    ...}`."""
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, `perplexity` (exp of `eval/loss`), import
+    paths to your own `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name:
+    <torchmetrics Metric class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A
+    bare string is `{name: ...}`."""
     inputs: List[str] = field(default_factory=list)
     """The parts of a batch the model takes, by key (a dict batch), attribute (a dataclass or named tuple) or
     index (a tuple): named ones are passed as keyword arguments (`model(input_ids=..., attention_mask=...)`),
