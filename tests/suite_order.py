@@ -23,6 +23,7 @@ FILE_SECONDS = {
     "test_remote_submit.py": 230,
     "test_submit_e2e.py": 225,
     "test_s3_e2e.py": 210,
+    "test_lm.py": 240,
     "test_third_party_e2e.py": 190,
     "test_guardrails_e2e.py": 185,
     "test_local_ray.py": 175,

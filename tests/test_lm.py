@@ -312,6 +312,7 @@ def test_the_built_in_lm_trains_on_two_ranks_with_perplexity_and_tokens_per_s(bu
     uri, run, _ = built_in_run
     metrics = run.data.metrics
     assert run.info.status == "FINISHED" and run.data.params["scaling.num_workers"] == "2"
+    assert run.data.tags["model_format"] == "pt2"
     assert math.log(300) - 1.5 < metrics["eval/loss"] < math.log(300) + 0.5  # 8 steps from a uniform guess
     assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]), rel=1e-6)
     # every sample is 32 tokens: tokens/s is 32 x samples/s, at each report
@@ -349,6 +350,7 @@ def test_hugging_face_gpt2_trains_through_the_same_job_with_its_own_loss_and_pre
     uri, run, directory = gpt2_run
     metrics = run.data.metrics
     assert run.info.status == "FINISHED" and math.isfinite(metrics["eval/loss"])
+    assert run.data.tags["model_format"] == "pt2" and run.data.params["scaling.num_workers"] == "2"
     assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]), rel=1e-6)
     assert metrics["perf/tokens_per_s"] > 0
     logits = predict_eval(uri, run, directory, capsys)
