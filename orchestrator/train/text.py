@@ -44,8 +44,8 @@ class TextSettings:
     tokenizer: str = "bpe"
     """`bpe`: a byte-level BPE trained on the corpus (needs `tokenizers`); `bytes`: UTF-8 bytes, vocabulary 256."""
     vocab_size: int = 512
-    """The BPE's vocabulary size (at least 257: the 256 bytes and one merge); `bytes` has 256 whatever it says.
-    `model.kwargs.vocab_size` must be at least this."""
+    """The BPE's vocabulary size at most (at least 257: the 256 bytes and one merge; a small text may support fewer
+    merges); `bytes` has 256 whatever it says. `model.kwargs.vocab_size` must be at least this."""
     block_size: int = 128
     """Tokens per sample (the model's sequence length; GPT-2's is 1024)."""
     eval_fraction: float = 0.1
