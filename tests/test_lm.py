@@ -379,3 +379,14 @@ def test_hugging_face_llama_built_from_a_config_takes_the_lm_blocks_with_either_
         task.loss = "next_token"
         ours = build_loss(task)(BatchLayout.from_task(task).batch(raw).forward(llama), raw["labels"])
     assert float(ours) == pytest.approx(float(own), rel=1e-5) and math.log(300) - 1 < float(ours) < math.log(300) + 1
+
+
+def test_a_model_with_fewer_token_rows_than_the_vocabulary_is_exit_2_naming_both(tmp_path, write_job, capsys):
+    from orchestrator.cli.submit import main
+
+    job = yaml.safe_load((REPO / "jobs" / "lm.yaml").read_text())
+    job["data"]["root"] = str(tmp_path / "data")
+    job["model"]["kwargs"]["vocab_size"] = 300
+    assert main([str(write_job(job))]) == 2
+    err = capsys.readouterr().err
+    assert "token embedding has 300 rows, but data lm_text has a vocabulary of 512 tokens" in err, err

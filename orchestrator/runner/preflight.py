@@ -157,6 +157,7 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
             if refusal is not None:
                 raise BadInput(f"data.loader: device holds (inputs, targets) tensors on the device; data.name "
                                f"{cfg.data.name}'s {split} set is {refusal}. Use data.loader: dataloader.")
+    check_vocabulary(cfg, train, model)
     batch = first_batch(cfg, train, "training")
     if first is not None:
         first.append(batch)
@@ -179,6 +180,17 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
     lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
     return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe_value(outputs))
+
+
+def check_vocabulary(cfg: DictConfig, train, model) -> None:
+    """Token ids the model's token embedding (its first `nn.Embedding`) has no row for are refused naming both
+    sizes, for a dataset that says its vocabulary (`lm_text`'s `vocab_size`), rather than as an IndexError."""
+    vocabulary = getattr(train, "vocab_size", None)
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if isinstance(vocabulary, int) and embedding is not None and embedding.num_embeddings < vocabulary:
+        raise BadInput(f"model.kwargs: model {cfg.model.name}'s token embedding has {embedding.num_embeddings} rows, "
+                       f"but data {cfg.data.name} has a vocabulary of {vocabulary} tokens. Set the model's "
+                       f"vocab_size (model.kwargs) to at least {vocabulary}.")
 
 
 def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") -> set[str]:
