@@ -20,6 +20,7 @@ FILE_SECONDS = {
     "test_bench.py": 410,
     "test_resume_e2e.py": 275,
     "test_sweep.py": 270,
+    "test_hostile_predict.py": 240,
     "test_remote_submit.py": 230,
     "test_submit_e2e.py": 225,
     "test_s3_e2e.py": 210,

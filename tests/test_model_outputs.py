@@ -73,7 +73,7 @@ def test_task_loss_model_gives_the_model_the_targets_and_takes_its_loss(bert):
     assert float(build_loss(job)(outputs, batch.targets)) == pytest.approx(float(expected))
     inference = BatchLayout.from_task(job, inference=True).batch(raw)
     assert inference.forward(bert).loss is None  # export and predict need no loss
-    with pytest.raises(BadInput, match="task.loss: the model's output has no part 'loss'"):
+    with pytest.raises(BadInput, match="task.loss: model: the model's output has no part 'loss'"):
         build_loss(job)({"logits": outputs.logits}, batch.targets)
 
 

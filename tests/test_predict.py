@@ -158,19 +158,15 @@ def test_the_command_writes_predictions_and_refuses_bad_input_with_exit_2(logged
     assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.csv").exists()
 
 
-def test_per_token_outputs_of_batches_of_different_lengths_are_padded_to_the_longest(tmp_path, monkeypatch,
-                                                                                     new_store, write_job):
-    """A token classifier over variable-length text, padded batch by batch by the job's collate: the eval split's
-    outputs are `(samples, longest, classes)`, each batch's in its rows and first columns, -100 past its end (as
-    Hugging Face's Trainer.predict pads), and `ampflow predict --output preds.npy` writes the same array."""
+def logged_tagger(tmp_path, monkeypatch, new_store, write_job) -> tuple:
+    """A run of a token classifier over variable-length text (examples/text-classification's data, padded batch by
+    batch by its `data.collate`), its model logged as ampflow logs one, with the padded length variable. Returns
+    (tracking URI, run id, the model, its eval set, the eval set's batches of 6, their padded lengths)."""
     import shutil
     import sys
 
-    from orchestrator import predict
-    from orchestrator.cli.ampflow import main
     from orchestrator.config import flatten, load_job, to_yaml
     from orchestrator.runner.export import eval_batches
-    from orchestrator.runner.predict import PAD_VALUE
     from orchestrator.tracking.logged_model import ModelInputs
     from orchestrator.tracking.tracker import RunTracker
     from orchestrator.train.data import build_datasets
@@ -198,8 +194,20 @@ def test_per_token_outputs_of_batches_of_different_lengths_are_padded_to_the_lon
     inputs = ModelInputs.from_example(model, {"named": dict(first), "variable": {name: [1] for name in first}})
     assert tracker.log_model(model, inputs) == "pt2"
     tracker.finish("FINISHED")
+    return uri, tracker.run_id, model, eval_set, batches, lengths
 
-    outputs = predict(tracker.run_id, "eval", batch_size=6, tracking_uri=uri)
+
+def test_per_token_outputs_of_batches_of_different_lengths_are_padded_to_the_longest(tmp_path, monkeypatch,
+                                                                                     new_store, write_job):
+    """A token classifier over variable-length text, padded batch by batch by the job's collate: the eval split's
+    outputs are `(samples, longest, classes)`, each batch's in its rows and first columns, -100 past its end (as
+    Hugging Face's Trainer.predict pads), and `ampflow predict --output preds.npy` writes the same array."""
+    from orchestrator import predict
+    from orchestrator.cli.ampflow import main
+    from orchestrator.runner.predict import PAD_VALUE
+
+    uri, run_id, model, eval_set, batches, lengths = logged_tagger(tmp_path, monkeypatch, new_store, write_job)
+    outputs = predict(run_id, "eval", batch_size=6, tracking_uri=uri)
     assert outputs.shape == (len(eval_set), max(lengths), 3) and outputs.dtype == torch.float32
     row = 0
     with torch.no_grad():
@@ -210,7 +218,7 @@ def test_per_token_outputs_of_batches_of_different_lengths_are_padded_to_the_lon
             row = rows.stop
     assert row == len(eval_set)
 
-    assert main(["predict", tracker.run_id, "--output", str(tmp_path / "preds.npy"), "--batch-size", "6",
+    assert main(["predict", run_id, "--output", str(tmp_path / "preds.npy"), "--batch-size", "6",
                  "--tracking-uri", uri]) == 0
     assert np.array_equal(np.load(tmp_path / "preds.npy"), outputs.numpy())
 

@@ -2,14 +2,15 @@
 the precision it was trained or exported in, written to a file. The logic is `orchestrator.runner.predict`."""
 
 import argparse
+import os
 import pickle
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput, command_exit
 from orchestrator.tracking.secrets import install_console_redaction, redact
@@ -21,9 +22,12 @@ OUTPUTS = (".pt", ".npy")
 
 
 def read_inputs(path: Path) -> Any:
-    """A file of inputs as a dataset of its rows (dim 0): a tensor, or a dict of tensors with as many rows each."""
+    """A file of inputs: a tensor, or a dict of tensors with as many rows each (one row per input, dim 0)."""
     if path.suffix not in INPUTS:
         raise BadInput(f"--data: {path} is neither 'eval' nor a {' or '.join(INPUTS)} file of inputs.")
+    if path.is_file() and path.stat().st_size == 0:
+        raise BadInput(f"--data: {path} is empty (0 bytes); it should hold the inputs, one row each: a tensor or a "
+                       "dict of tensors saved with torch.save (.pt), or an array saved with numpy.save (.npy).")
     try:
         if path.suffix == ".npy":
             loaded = torch.from_numpy(np.load(path, allow_pickle=False))
@@ -33,17 +37,46 @@ def read_inputs(path: Path) -> Any:
         raise BadInput(f"--data: cannot read {path}: it holds more than tensors, and ampflow never unpickles a "
                        "file. Save the inputs as a tensor or a dict of tensors (torch.save), or as a .npy array.") \
             from None
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise BadInput(f"--data: cannot read {path} ({type(exc).__name__}: {exc}).") from None
+    except (OSError, ValueError, RuntimeError, EOFError) as exc:
+        raise BadInput(f"--data: cannot read {path} ({type(exc).__name__}: {exc or 'it ends early'}); it should "
+                       "hold a tensor or a dict of tensors (torch.save), or an array (numpy.save).") from None
     if isinstance(loaded, torch.Tensor) and loaded.dim() >= 1:
-        return TensorDataset(loaded)
+        return loaded
     columns = list(loaded.values()) if isinstance(loaded, dict) else []
     if columns and all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in columns) \
             and len({v.shape[0] for v in columns}) == 1:
-        rows = columns[0].shape[0]
-        return [{key: value[index] for key, value in loaded.items()} for index in range(rows)]
+        return loaded
     raise BadInput(f"--data: {path} holds a {type(loaded).__name__}, not a tensor or a dict of tensors with one row "
                    "per input.")
+
+
+def batches(inputs: Any, batch_size: int) -> Iterator[Any]:
+    """The rows of a file's inputs (`read_inputs`), `batch_size` at a time, as they are: a file's rows are ready
+    tensors, which the run's `data.collate` (made for its dataset's samples) is not for."""
+    rows = len(inputs) if isinstance(inputs, torch.Tensor) else len(next(iter(inputs.values())))
+    for start in range(0, rows, batch_size):
+        if isinstance(inputs, torch.Tensor):
+            yield inputs[start:start + batch_size]
+        else:
+            yield {key: value[start:start + batch_size] for key, value in inputs.items()}
+
+
+def check_writable(path: Path) -> None:
+    """`--output` must be a file this process can write, in a directory it can write in: found before the model
+    loads and runs. Probed with a temporary file in the directory, removed at once (nothing is left behind)."""
+    if path.is_dir():
+        raise BadInput(f"--output: {path} is a directory; give a .pt or .npy file in it.")
+    directory = path.parent
+    try:
+        if not directory.is_dir():
+            raise FileNotFoundError(2, "no such directory" if not directory.exists() else "not a directory")
+        with tempfile.TemporaryFile(dir=directory, prefix=".ampflow-write-check-"):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, f"{path.name} cannot be written")
+    except OSError as exc:
+        raise BadInput(f"--output: cannot write {path} in {directory} ({exc.strerror or exc}); give a file in a "
+                       "directory you can write in.") from None
 
 
 def write_outputs(outputs: Any, path: Path) -> str:
@@ -80,7 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput(f"--output: {args.output} must end in {' or '.join(OUTPUTS)}.")
         if args.batch_size < 1:
             raise BadInput(f"--batch-size: must be >= 1, got {args.batch_size}.")
-        data = args.data if args.data == "eval" else read_inputs(Path(args.data))
+        check_writable(args.output)
+        data = args.data if args.data == "eval" else batches(read_inputs(Path(args.data)), args.batch_size)
         from orchestrator.runner.predict import load  # it imports mlflow (seconds): --help and bad flags exit first
         predictor = load(args.model, args.tracking_uri, args.device)
         outputs = predictor.over(data, args.batch_size)

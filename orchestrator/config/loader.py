@@ -4,7 +4,10 @@ Every merge is done against the typed schema, so an error names the layer it cam
 from (preset file, job file or command line) and the key path inside it.
 """
 
+import dataclasses
 import difflib
+import typing
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -14,7 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from orchestrator.config.schema import JobConfig, PrecisionSection
 from orchestrator.config.validate import validate
-from orchestrator.config.yamlsafe import load_yaml_mapping, parse_value
+from orchestrator.config.yamlsafe import MAX_DEPTH, load_yaml_mapping, parse_value
 from orchestrator.errors import BadInput
 from orchestrator.precision.policy import Policy
 
@@ -63,6 +66,11 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)
     except ConfigKeyError as exc:
+        entry = _entry_of(layer, exc)
+        if entry is not None:
+            where, fields = entry
+            raise BadInput(f"{source}: unknown key '{exc.key}' in {where}.{_nearest(str(exc.key), fields)} "
+                           f"Allowed keys in each entry of {where.partition('[')[0]}: {', '.join(fields)}.") from None
         full_key = str(exc.full_key or exc.key)
         allowed = _allowed_keys(base, full_key)
         leaf = full_key.rsplit(".", 1)[-1]
@@ -72,10 +80,59 @@ def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
             f"{source}: unknown key '{full_key}'.{hint} Allowed keys in {parent}: {', '.join(allowed)}."
         ) from None
     except OmegaConfBaseException as exc:
+        entry = _entry_of(layer, exc)
         key = getattr(exc, "full_key", None)
         first_line = str(exc).splitlines()[0]
-        where = f"key '{key}'" if key else "a section"
+        where = f"key '{exc.key}' of {entry[0]}" if entry is not None else f"key '{key}'" if key else "a section"
         raise BadInput(f"{source}: {where}: {first_line}. Fix the value's type (see orchestrator/config/schema.py).") from None
+
+
+@lru_cache(maxsize=None)
+def _entry_sections(cls: type = JobConfig, prefix: str = "") -> tuple[tuple[str, type], ...]:
+    """The schema's lists of sections (`precision.rules`, `task.metrics`, `callbacks`) and their entries' type."""
+    found = []
+    for name, annotation in typing.get_type_hints(cls).items():
+        for candidate in (annotation, *typing.get_args(annotation)):
+            args = typing.get_args(candidate)
+            if dataclasses.is_dataclass(candidate):
+                found += _entry_sections(candidate, f"{prefix}{name}.")
+                break
+            if typing.get_origin(candidate) is list and args and dataclasses.is_dataclass(args[0]):
+                found.append((f"{prefix}{name}", args[0]))
+                break
+    return tuple(found)
+
+
+def _entry_of(layer: Any, exc: OmegaConfBaseException) -> Optional[tuple[str, list[str]]]:
+    """Where an error OmegaConf raised inside an entry of a list of sections lies, as OmegaConf does not say
+    (its key path starts again inside the entry): (`precision.rules[1] (match 'features.*')`, the entry's
+    fields), or None when the error is not in such an entry."""
+    entry_type = getattr(exc, "object_type", None)
+    data = OmegaConf.to_container(layer) if isinstance(layer, DictConfig) else layer
+    for path, cls in _entry_sections():
+        if cls is not entry_type:
+            continue
+        for candidate in (path, path.partition(".")[2]):  # a precision preset's layer has no `precision.`
+            node = data
+            for part in candidate.split(".") if candidate else ():
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, list):
+                continue
+            for index, entry in enumerate(node):
+                if isinstance(entry, dict) and exc.key in entry and not _fits(cls, entry):
+                    label = next((f" ({field} {entry[field]!r})" for field in ("match", "name")
+                                  if isinstance(entry.get(field), str)), "")
+                    return f"{path}[{index}]{label}", [f.name for f in dataclasses.fields(cls)]
+    return None
+
+
+def _fits(cls: type, entry: dict) -> bool:
+    """Whether `entry` merges into the section `cls` on its own."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(cls), entry)
+    except OmegaConfBaseException:
+        return False
+    return True
 
 
 LIST_SECTIONS = ("callbacks",)
@@ -118,15 +175,26 @@ def parse_overrides(overrides: Iterable[str]) -> DictConfig:
     items = list(overrides)
     for item in items:
         if "=" not in item or item.startswith("="):
-            raise BadInput(f"command line: override '{item}' is not of the form key.path=value (e.g. run.epochs=2).")
+            raise BadInput(f"command line: override '{_shown(item)}' is not of the form key.path=value "
+                           "(e.g. run.epochs=2).")
+        parts = item.partition("=")[0].count(".") + 1
+        if parts > MAX_DEPTH:
+            raise BadInput(f"command line: override '{_shown(item)}': its key has {parts} parts, more than the "
+                           f"{MAX_DEPTH} levels a job may nest. Give a key of the schema (e.g. run.epochs=2).")
     cli = OmegaConf.create()
     for item in items:
         key, _, text = item.partition("=")
         try:
             OmegaConf.update(cli, key, parse_value(text), merge=True)
         except (yaml.YAMLError, OmegaConfBaseException) as exc:
-            raise BadInput(f"command line: cannot parse override '{item}': {str(exc).splitlines()[0]}") from None
+            raise BadInput(f"command line: cannot parse override '{_shown(item)}': {str(exc).splitlines()[0]}") \
+                from None
     return cli
+
+
+def _shown(item: str, limit: int = 200) -> str:
+    """An override as an error quotes it: cut after `limit` characters."""
+    return item if len(item) <= limit else f"{item[:limit]}... ({len(item):,} characters)"
 
 
 def resolve_preset(name: str) -> str:

@@ -274,10 +274,11 @@ class ScalingSection:
     num_workers: Any = 2
     """Ray Train workers (DDP ranks): a number, or an elastic range `[min, max]`: the run starts with as many as
     the cluster has room for (at least min), shrinks when a node goes and grows when one joins, each time going on
-    from the newest checkpoint, with the same global batch (`run.batch_size x run.accumulate_steps x max`)."""
+    from the newest checkpoint, with the same global batch (`run.batch_size x run.accumulate_steps x max`). At most
+    100,000 workers."""
     resize_check_s: float = 60.0
     """An elastic run (`num_workers: [min, max]`) looks this often whether more workers fit, and grows when they do
-    (Ray Train's `elastic_resize_monitor_interval_s`)."""
+    (Ray Train's `elastic_resize_monitor_interval_s`). Seconds, > 0 and at most 86,400 (a day)."""
     use_gpu: bool = False
     """Give each worker one GPU (NCCL backend); CPU workers use gloo."""
     resources_per_worker: Dict[str, float] = field(default_factory=dict)
@@ -396,10 +397,12 @@ class TrackingSection:
     required: bool = True
     """MLflow must be reachable at the start (else exit 2); false: train anyway and log once it is back."""
     flush_timeout_s: float = 120.0
-    """At the end, how long to keep retrying metrics MLflow has not taken yet before giving up on them."""
+    """At the end, how long to keep retrying metrics MLflow has not taken yet before giving up on them. Seconds, >= 0
+    and at most 86,400 (a day)."""
     system_metrics_interval_s: float = 10.0
     """Sample each rank's CPU %, resident memory and (CUDA) GPU utilisation, memory and power every N seconds,
-    logged as MLflow system metrics `system/rank_<r>/...`; 0 turns it off."""
+    logged as MLflow system metrics `system/rank_<r>/...`; 0 turns it off. Else >= 0.1 and at most 3,600 (an
+    hour)."""
     register_model: Optional[str] = None
     """Register the logged model as a new version of this registered model (tagged with the preset, the run
     and its final metrics); a registry that refuses is a warning, never a failed run. Null: not registered."""
@@ -432,13 +435,13 @@ class FailureSection:
     step_timeout_s: Optional[float] = 600.0
     """Seconds a rank may go without finishing a step (or an evaluation, or staging a checkpoint) before its
     watchdog saves every thread's stack to `diagnostics/stacks/` and ends the attempt (a worker failure, which
-    `max_failures` retries); the collective timeout is this plus 60 s. null: no watchdog, and torch's collective
-    timeout (30 min) stays."""
+    `max_failures` retries); the collective timeout is this plus 60 s. At most 86,400 (a day). null: no watchdog,
+    and torch's collective timeout (30 min) stays."""
     preemption_grace_s: Optional[float] = 25.0
     """Seconds a Ray Train worker has, after a SIGTERM (Kubernetes' eviction notice), to checkpoint at the next
     step boundary and end its attempt, which Ray Train restarts from that checkpoint (`max_failures`); then it
-    exits. Keep it under the pods' `terminationGracePeriodSeconds` (k8s/: 30 s), after which Kubernetes kills.
-    null: SIGTERM ends a worker at once, as in Ray."""
+    exits. Keep it under the pods' `terminationGracePeriodSeconds` (k8s/: 30 s), after which Kubernetes kills; at
+    most 3,600 (an hour). null: SIGTERM ends a worker at once, as in Ray."""
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 import math
 import re
+from dataclasses import dataclass
+from typing import Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import names, optim, workers
 from orchestrator.config.imports import is_import_path
@@ -28,6 +30,53 @@ TUNE_DTYPES = ("float16", "bfloat16", "float8")
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
+@dataclass(frozen=True)
+class Seconds:
+    """The range of a duration key (`..._s`): finite, above `low` (or from it, `from_low`), at most `high`."""
+
+    high: float
+    """The upper bound, stated in the key's doc line: a wait past it is a mistake, and 1e300 or infinity would
+    overflow the timer or `timedelta` it is given (on SIGTERM the preemption timer raised OverflowError)."""
+    low: float = 0.0
+    from_low: bool = False
+    """`low` itself is allowed (>=), else only what is above it (>)."""
+    zero: Optional[str] = None
+    """What 0 means where it is allowed below `low` (`off`); None: it is not."""
+    null: Optional[str] = None
+    """What null means where it is allowed; None: it is not (the schema's type refuses it first)."""
+
+    def problem(self, value: Optional[float]) -> Optional[str]:
+        """What is wrong with `value` (NaN, infinite, out of range), or None."""
+        if value is None and self.null is not None:
+            return None
+        if value == 0 and self.zero is not None:
+            return None
+        if value is not None and math.isfinite(value) and (value >= self.low if self.from_low else value > self.low) \
+                and value <= self.high:
+            return None
+        return f"must be {self.describe()}, got {value}."
+
+    def describe(self) -> str:
+        """`a finite number of seconds > 0 and at most 86,400 (a day), or null for ...`."""
+        text = (f"{'0 (' + self.zero + ') or ' if self.zero else ''}a finite number of seconds "
+                f"{'>=' if self.from_low else '>'} {self.low:g} and at most {self.high:,g}{_NAMED.get(self.high, '')}")
+        return text + (f", or null for {self.null}" if self.null else "")
+
+
+ONE_HOUR_S = 3600.0
+ONE_DAY_S = 86400.0
+_NAMED = {ONE_HOUR_S: " (an hour)", ONE_DAY_S: " (a day)"}
+
+DURATIONS = {
+    "scaling.resize_check_s": Seconds(ONE_DAY_S),
+    "tracking.flush_timeout_s": Seconds(ONE_DAY_S, from_low=True),
+    "tracking.system_metrics_interval_s": Seconds(ONE_HOUR_S, low=0.1, from_low=True, zero="off"),
+    "failure.step_timeout_s": Seconds(ONE_DAY_S, null="no watchdog"),
+    "failure.preemption_grace_s": Seconds(ONE_HOUR_S, null="SIGTERM to end a worker at once"),
+}
+"""Every duration key of the schema (its name ends in `_s`) and its range; each is checked by `Seconds.problem`."""
+
+
 def _require(ok: bool, source: str, key: str, message: str) -> None:
     if not ok:
         raise BadInput(f"{source}: {key}: {message}")
@@ -38,7 +87,9 @@ def validate(cfg: DictConfig, source: str) -> None:
 
     wrong = workers.problem(cfg.scaling.num_workers, cfg.run.batch_size, cfg.run.accumulate_steps)
     r(wrong is None, "scaling.num_workers", str(wrong))
-    r(cfg.scaling.resize_check_s > 0, "scaling.resize_check_s", f"must be > 0, got {cfg.scaling.resize_check_s}.")
+    for key, seconds in DURATIONS.items():
+        wrong = seconds.problem(OmegaConf.select(cfg, key))
+        r(wrong is None, key, str(wrong))
     for name, amount in cfg.scaling.resources_per_worker.items():
         r(amount >= 0, f"scaling.resources_per_worker.{name}", f"must be >= 0, got {amount}.")
     r(cfg.model.num_classes >= 1, "model.num_classes", f"must be >= 1, got {cfg.model.num_classes}.")
@@ -137,10 +188,6 @@ def validate(cfg: DictConfig, source: str) -> None:
       f"must be min or max, got '{cfg.checkpoint.score_mode}'.")
     every = cfg.checkpoint.every_n_steps
     r(every is None or every >= 1, "checkpoint.every_n_steps", f"must be >= 1 or null, got {every}.")
-    r(cfg.tracking.flush_timeout_s >= 0, "tracking.flush_timeout_s", "must be >= 0 seconds.")
-    interval = cfg.tracking.system_metrics_interval_s
-    r(interval == 0 or (math.isfinite(interval) and interval >= 0.1), "tracking.system_metrics_interval_s",
-      f"must be 0 (off) or a finite number of seconds >= 0.1, got {interval}.")
     export_dtype = cfg.export.dtype
     r(export_dtype in (None, "float16", "bfloat16"), "export.dtype", "must be float16, bfloat16 or null.")
     r(cfg.export.max_accuracy_drop >= 0, "export.max_accuracy_drop", "must be >= 0 (0.01 = one point).")
@@ -156,13 +203,6 @@ def validate(cfg: DictConfig, source: str) -> None:
     r(cfg.checkpoint.every_n_epochs >= 1, "checkpoint.every_n_epochs", "must be >= 1.")
     r(cfg.checkpoint.num_to_keep >= 1, "checkpoint.num_to_keep", "must be >= 1.")
     r(cfg.failure.max_failures >= -1, "failure.max_failures", "must be >= 0, or -1 for unlimited.")
-    timeout = cfg.failure.step_timeout_s
-    r(timeout is None or (math.isfinite(timeout) and timeout > 0), "failure.step_timeout_s",
-      f"must be a finite number of seconds > 0, or null for no watchdog, got {timeout}.")
-    grace = cfg.failure.preemption_grace_s
-    r(grace is None or (math.isfinite(grace) and grace > 0), "failure.preemption_grace_s",
-      f"must be a finite number of seconds > 0 (under the pods' terminationGracePeriodSeconds), or null for SIGTERM "
-      f"to end a worker at once, got {grace}.")
 
 
 def _check_strategy(cfg: DictConfig, r) -> None:

@@ -145,10 +145,56 @@ def trainable_copy(logged: nn.Module, cfg) -> nn.Module:
     return model
 
 
+JOB_ARTIFACT = "config/job.yaml"
+"""Where every run ampflow makes keeps its job (`RunTracker.start`): a run without it is not ampflow's."""
+
+
+def run_job(tracker, command: str = "export"):
+    """The job the run was made from (its `config/job.yaml`); BadInput when it has none: a run ampflow did not
+    make, which `ampflow {command}` cannot take."""
+    from mlflow.exceptions import MlflowException  # mlflow: seconds to import; the driver's bad input exits first
+
+    try:
+        text = tracker.load_text(JOB_ARTIFACT)
+    except (MlflowException, OSError):
+        raise BadInput(f"run {tracker.run_id} is not an ampflow run: it has no {JOB_ARTIFACT} artifact (every run "
+                       f"ampflow makes keeps its job there), so `ampflow {command}` cannot take it. Give the id of a "
+                       "run that ampflow trained.") from None
+    return OmegaConf.create(text)
+
+
+def logged_model_problem(tracker, cfg) -> Optional[str]:
+    """Why the run (made from the job `cfg`) has no fp32 model `model` to load, in one line; None when it has one.
+    A run logs it when it finishes: one that FAILED, was KILLED or is still RUNNING has none for that reason; a
+    FINISHED one for `tracking.log_model: false`, or because logging it failed."""
+    from mlflow import MlflowClient  # see `run_job`
+
+    found = MlflowClient(tracking_uri=tracker.uri).search_logged_models(
+        [tracker.experiment_id], filter_string=f"source_run_id = '{tracker.run_id}' AND name = 'model'")
+    if found:
+        return None
+    status = tracker.status()
+    if status == "FINISHED":
+        if not cfg.tracking.get("log_model", True):
+            return (f"run {tracker.run_id} has no model: it trained with tracking.log_model: false. Train the job "
+                    "again with tracking.log_model: true.")
+        return (f"run {tracker.run_id} FINISHED without a logged model 'model' although tracking.log_model is true: "
+                "logging it failed, or the run left no checkpoint to log it from (its submit's output says which). "
+                "Train the job again.")
+    why = {"FAILED": "FAILED", "KILLED": "was KILLED", "RUNNING": "is still RUNNING"}.get(status, f"is {status}")
+    todo = "Wait for it to finish." if status not in ("FAILED", "KILLED") else \
+        "Resume it (`ampflow submit JOB --resume`) or train the job again."
+    return (f"run {tracker.run_id} {why}, so it has no model: a run logs its model 'model' only when it finishes "
+            f"training. {todo}")
+
+
 def export_logged_run(tracker, dtype_text: str, max_drop: Optional[float] = None) -> ExportResult:
     """Export the run's logged fp32 model (`tracker`: its `RunTracker`) to `dtype_text`, within `max_drop`
-    (default: the run's `export.max_accuracy_drop`). BadInput: the run cannot be exported (no model, weights
-    that do not fit its model); ExportRefused: it lost too much accuracy."""
-    cfg = OmegaConf.create(tracker.load_text("config/job.yaml"))
+    (default: the run's `export.max_accuracy_drop`). BadInput: the run cannot be exported (not ampflow's, no
+    model, weights that do not fit its model); ExportRefused: it lost too much accuracy."""
+    cfg = run_job(tracker)
+    problem = logged_model_problem(tracker, cfg)
+    if problem:
+        raise BadInput(problem)
     model = trainable_copy(tracker.load_model(), cfg)
     return export(model, cfg, dtype_text, tracker, cfg.export.max_accuracy_drop if max_drop is None else max_drop)

@@ -15,8 +15,10 @@ dict, a Hugging Face `ModelOutput`) the one the run's `task.output` names, else 
 
 `data`: one batch (a tensor, or a dict of tensors given to the model as keyword arguments), or a dataset: the
 run's own eval split (`"eval"`, built from its `data` section and batched as its evaluation was: `data.collate`,
-`task.inputs`), a map-style dataset, or an iterable of batches;
-a dataset's `(inputs, target)` items give their inputs. The outputs come back on the CPU, in the dtype the
+`task.inputs`), a map-style dataset (batched the same way: the run's `data.collate`, else the dataset's own
+`collate_fn`), or an iterable of batches; a dataset's `(inputs, target)` items give their inputs. Inputs the
+model does not take (a name it has no input of, a dtype or a fixed size other than its signature's) are refused
+(BadInput) before it runs. The outputs come back on the CPU, in the dtype the
 model computed them in, a dataset's concatenated in its order; outputs whose size past the first dim varies
 between batches (per-token logits of text padded batch by batch) are padded at the end to the longest with
 `PAD_VALUE`, as Hugging Face's `Trainer.predict` pads them.
@@ -30,18 +32,18 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 import mlflow
 import torch
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from orchestrator.errors import BadInput
 from orchestrator.precision import Policy, apply, autocast_context, plan
 from orchestrator.precision.precision import bf16_unsupported
-from orchestrator.runner.export import eval_batches
+from orchestrator.runner.export import eval_batches, logged_model_problem, run_job
+from orchestrator.tracking.logged_model import LoggedInputs
 from orchestrator.tracking.model_files import load_pt2_model
 from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tracker import RunTracker, resolve_uri
-from orchestrator.train.batch import Batch, plain
-from orchestrator.train.data import build_datasets
+from orchestrator.train.batch import Batch, BatchLayout, plain
+from orchestrator.train.data import build_datasets, collate_fn
 from orchestrator.train.models import build_model
 from orchestrator.train.task import prediction
 
@@ -66,6 +68,8 @@ class Predictor:
     """The run's job (its `data` section gives the `"eval"` dataset)."""
     describe: str
     """What runs, in words: the model and its precision."""
+    takes: Optional[LoggedInputs] = None
+    """What the model takes (its signature); None: no signature, the inputs are left to the model."""
 
     @property
     def output(self) -> Optional[str]:
@@ -75,10 +79,14 @@ class Predictor:
     @torch.no_grad()
     def __call__(self, inputs: Any) -> Any:
         """The model's prediction for one batch of inputs (a tensor, or a dict of named inputs), on the CPU."""
-        return self._predict(Batch(kwargs=dict(inputs)) if isinstance(inputs, Mapping) else Batch(args=(inputs,)))
+        return self._predict(_batch_of(inputs), check=True)
 
     @torch.no_grad()
-    def _predict(self, batch: Batch) -> Any:
+    def _predict(self, batch: Batch, check: bool = False) -> Any:
+        """`check`: refuse inputs the model does not take (the caller's; the run's own eval split fits)."""
+        problem = self.takes.problem(batch.args, batch.kwargs) if check and self.takes is not None else None
+        if problem:
+            raise BadInput(f"data: {problem}.")
         batch = batch.to(self.device)
         with self.autocast():
             outputs = batch.forward(self.model)
@@ -108,45 +116,102 @@ class Predictor:
         if not (map_style or hasattr(data, "__iter__")):
             raise BadInput(f"data: a {type(data).__name__} is neither a batch (a tensor, a dict of tensors) nor a "
                            "dataset.")
-        batches = DataLoader(data, batch_size=batch_size) if map_style else data
-        outputs = [self(_inputs_of(batch)) for batch in batches]
+        if map_style:  # batched as the run's evaluation batches: its data.collate (variable-length samples padded)
+            loader = DataLoader(data, batch_size=batch_size, collate_fn=collate_fn(self.cfg.data, data)
+                                if self.cfg is not None else getattr(data, "collate_fn", None))
+            outputs = [self._predict(self._inputs(raw), check=True) for raw in loader]
+        else:
+            outputs = [self(_inputs_of(batch)) for batch in data]
         if not outputs:
             raise BadInput("data: the dataset is empty.")
         return _concat(outputs)
 
+    def _inputs(self, raw: Any) -> Batch:
+        """A map-style dataset's batch as the model's inputs: parted as the run's batches are (`task.inputs`,
+        `task.target`; the target, which predicting needs none of, may be absent), else an `(inputs, target)`
+        pair's inputs, or the batch."""
+        layout = BatchLayout.from_task(self.cfg.task, inference=True) if self.cfg is not None else BatchLayout()
+        if layout.target is None:
+            pair = isinstance(raw, (tuple, list)) and len(raw) == 2
+            return layout.batch(raw) if pair else _batch_of(_inputs_of(raw))
+        if isinstance(raw, Mapping) and layout.target not in raw:
+            raw = {**raw, layout.target: None}
+        return layout.batch(raw)
+
+
+def inference_device(device: Optional[str]) -> torch.device:
+    """Where a model run as trained runs: `device` (cpu, cuda, cuda:1), default the GPU when there is one;
+    BadInput when this machine has no such device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise BadInput(f"--device {device}: not a device; give cpu, cuda or cuda:N.") from None
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise BadInput(f"--device {device}: this machine has no GPU that torch can use "
+                           f"(torch.cuda.is_available() is False); leave --device out, or give cpu.")
+        if target.index is not None and target.index >= count:
+            raise BadInput(f"--device {device}: this machine has {count} GPU{'s' if count > 1 else ''}, "
+                           f"cuda:0 to cuda:{count - 1}.")
+    elif target.type != "cpu":
+        try:
+            torch.empty(0, device=target)
+        except (RuntimeError, AssertionError) as exc:
+            raise BadInput(f"--device {device}: torch cannot use it here ({exc}); give cpu or cuda.") from None
+    return target
+
 
 def load(model: str, tracking_uri: Optional[str] = None, device: Optional[str] = None) -> Predictor:
     """The logged model `model` names (a run id, or a model URI), ready to predict; BadInput when there is none
-    there, or it cannot be loaded without unpickling."""
+    there, or it cannot be loaded without unpickling, or `device` is not on this machine."""
+    target = inference_device(device)
     uri = resolve_uri(tracking_uri, Path.cwd())
     mlflow.set_tracking_uri(uri)  # runs:/ and models:/ URIs resolve through it
     model_uri = model if ":/" in model else f"runs:/{model}/{TRAINED_MODEL}"
     try:
         info = mlflow.models.get_model_info(model_uri)
     except Exception as exc:  # MlflowException, OSError: nothing logged there
-        raise BadInput(f"{model}: no logged model at {model_uri} in {redact(uri)} ({type(exc).__name__}: "
+        problem = _run_problem(uri, model) if ":/" not in model else None
+        raise BadInput(problem or f"{model}: no logged model at {model_uri} in {redact(uri)} ({type(exc).__name__}: "
                        f"{redact(str(exc))[:300]}). Give a run id whose run logged its model (tracking.log_model), "
                        "or a model URI; --tracking-uri or MLFLOW_TRACKING_URI for another store.") from None
     program = load_pt2_model(info.model_uri, model_uri)
+    takes = LoggedInputs.of(info)
     run = MlflowClient(tracking_uri=uri).get_run(info.run_id) if info.run_id else None
     cfg = _run_job(RunTracker(uri, run.info.experiment_id, info.run_id)) if run is not None else None
     if info.name != TRAINED_MODEL or cfg is None:  # an export: its dtypes (and eval mode) are in the program
         how = "as exported" if info.name != TRAINED_MODEL else "as logged"
-        return Predictor(program, torch.device("cpu"), contextlib.nullcontext, cfg, f"{model_uri} {how}")
+        return Predictor(program, torch.device("cpu"), contextlib.nullcontext, cfg, f"{model_uri} {how}", takes)
     promoted = [name for name in run.data.tags.get("precision.promoted", "").split(",") if name]
-    return _as_trained(program, cfg, promoted, model_uri, device)
+    return _as_trained(program, cfg, promoted, model_uri, target, takes)
+
+
+def _run_problem(uri: str, run_id: str) -> Optional[str]:
+    """Why the run `run_id` has no model to predict with (not ampflow's; FAILED, KILLED or RUNNING; trained with
+    tracking.log_model false); None when there is no such run, or no reason is found."""
+    try:
+        tracker = RunTracker.open(uri, run_id)
+    except BadInput:  # no such run: the caller says where it looked
+        return None
+    try:
+        return logged_model_problem(tracker, run_job(tracker, "predict"))
+    except BadInput as exc:  # not ampflow's
+        return str(exc)
 
 
 def _run_job(tracker) -> Optional[Any]:
     """The run's job config, or None for a run not made by ampflow."""
     try:
-        return OmegaConf.create(tracker.load_text("config/job.yaml"))
-    except Exception:  # MlflowException, OSError: no such artifact
+        return run_job(tracker)
+    except BadInput:
         return None
 
 
-def _as_trained(program: torch.nn.Module, cfg: Any, promoted: list[str], model_uri: str,
-                device: Optional[str]) -> Predictor:
+def _as_trained(program: torch.nn.Module, cfg: Any, promoted: list[str], model_uri: str, target: torch.device,
+                takes: Optional[LoggedInputs]) -> Predictor:
     """The job's model with the program's weights, cast and run as the run's precision policy says."""
     where = f"{model_uri} as trained"
     try:
@@ -160,7 +225,6 @@ def _as_trained(program: torch.nn.Module, cfg: Any, promoted: list[str], model_u
     except RuntimeError as exc:
         raise BadInput(f"{where}: the logged weights do not fit model.name={cfg.model.name}: {exc}") from None
     policy = Policy.from_config(cfg.precision).with_promoted(promoted)
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     problem = bf16_unsupported(policy, target)
     if problem:
         raise BadInput(f"{where}: {problem}")
@@ -168,7 +232,12 @@ def _as_trained(program: torch.nn.Module, cfg: Any, promoted: list[str], model_u
     apply(model, policy, plan(model, policy), target.type)
     precision = cfg.precision.preset or "the run's precision section"
     return Predictor(model.eval(), target, lambda: autocast_context(policy.amp, target.type), cfg,
-                     f"{model_uri} as trained ({precision}) on {target}")
+                     f"{model_uri} as trained ({precision}) on {target}", takes)
+
+
+def _batch_of(inputs: Any) -> Batch:
+    """One batch of inputs: a dict of tensors by name, else one positional input."""
+    return Batch(kwargs=dict(inputs)) if isinstance(inputs, Mapping) else Batch(args=(inputs,))
 
 
 def _inputs_of(batch: Any) -> Any:

@@ -11,6 +11,7 @@ and data once per distinct model, data and task sections, the capacity once per 
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
 """
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -30,7 +31,7 @@ from orchestrator.runner import records
 from orchestrator.runner.checkpoints import newest
 from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
-from orchestrator.train.batch import BatchLayout, describe as describe_value
+from orchestrator.train.batch import MODEL_LOSS, BatchLayout, describe as describe_value
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
 from orchestrator.train.lint import lint
 from orchestrator.train.models import build_model
@@ -39,7 +40,8 @@ from orchestrator.train.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.train.resume import Layout, check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import Perplexity, SummedMetric, build_loss, build_metric, fp32, prediction
+from orchestrator.train.task import (MODEL_LOSS_HINT, Perplexity, SummedMetric, build_loss, build_metric, fp32,
+                                     model_loss_of, prediction)
 
 
 @dataclass
@@ -169,6 +171,12 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
         with torch.no_grad(), eval_mode(model):
             outputs = batch.forward(model)
     except Exception as exc:  # whatever the model raises on the wrong shape (RuntimeError, ValueError, ...)
+        if batch.labels is not None and _takes_inputs_alone(model, batch):
+            raise BadInput(f"task.loss: model: model.name {cfg.model.name} does not take the targets as "
+                           f"`{batch.labels}` ({type(exc).__name__}: {str(exc)[:300]}), so it cannot return its own "
+                           f"loss. task.loss: model is for a model called as model(inputs, {batch.labels}=targets) "
+                           "that returns its loss (as Hugging Face models do); for this model name a loss: "
+                           "cross_entropy, mse, bce_with_logits, next_token or your own package.module:fn.") from None
         raise BadInput(f"data.name: {cfg.data.name} gives {given}, which model.name {cfg.model.name} cannot take "
                        f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
                        "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
@@ -193,6 +201,16 @@ def check_vocabulary(cfg: DictConfig, train, model) -> None:
                        f"vocab_size (model.kwargs) to at least {vocabulary}.")
 
 
+def _takes_inputs_alone(model, batch) -> bool:
+    """Whether `model` runs on `batch`'s inputs without its targets (`task.loss: model` gives it both)."""
+    try:
+        with torch.no_grad(), eval_mode(model):
+            dataclasses.replace(batch, labels=None).forward(model)
+    except Exception:
+        return False
+    return True
+
+
 def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") -> set[str]:
     """The job's loss and metrics on the model's outputs for two samples: the names an evaluation logs."""
     def refuse(key: str, name: str, exc: Exception) -> BadInput:
@@ -201,6 +219,9 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
                         f"{cfg.data.name} ({type(exc).__name__}: {str(exc)[:300]}). Fix it, or choose a loss or "
                         "metric for this kind of output.")
 
+    if cfg.task.loss == MODEL_LOSS and model_loss_of(outputs) is None:
+        raise BadInput(f"task.loss: model: model.name {cfg.model.name} returns no loss ({described or 'outputs'} "
+                       f"without a `loss`). {MODEL_LOSS_HINT}")
     try:
         build_loss(cfg.task)(outputs, targets)
     except Exception as exc:

@@ -6,6 +6,8 @@ masks, float32 images) and the dims that varied between batches (a padded sequen
 marks -1 with the batch dim. `save_model` is the flavor `RunTracker.log_model` hands to MLflow: the pytorch flavor
 (a pt2 program, else the pickled module) with that signature and example, and a pyfunc (`ampflow_pyfunc`, shipped
 in the model's code) that takes one array or a dict of named arrays and calls the model with them in order.
+`LoggedInputs` reads that back from a logged model (its signature and the pyfunc's names), to tell a caller's
+inputs that the model does not take before it runs.
 """
 
 import contextlib
@@ -16,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -122,6 +124,98 @@ class ModelInputs:
 
     def describe(self) -> str:
         return ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}" for name, t in zip(self.names, self.tensors))
+
+
+@dataclass(frozen=True)
+class TakenInput:
+    """One input of a logged model, as its signature gives it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    """Its size in each dim; -1: any (the batch dim, and a dim whose size varied in training)."""
+
+    def describe(self) -> str:
+        """`float32 [N, 3, 32, 32]` (N: the batch; `*`: any size)."""
+        dims = ["N" if d == 0 and size == -1 else "*" if size == -1 else str(size) for d, size in enumerate(self.shape)]
+        return f"{_dtype_name(self.dtype)} [{', '.join(dims)}]"
+
+    def problem(self, value: Any) -> Optional[str]:
+        """What `value` is, as this input, and what to do, in words; None when it fits."""
+        if not isinstance(value, torch.Tensor):
+            return f"a {type(value).__name__}, not a tensor"
+        got, dtype = f"{_dtype_name(value.dtype)} {list(value.shape)}", _dtype_name(self.dtype)
+        if value.dtype != self.dtype:
+            return f"{got}, not {dtype}: convert it (tensor.to(torch.{dtype}), array.astype('{dtype}'))"
+        if value.dim() != len(self.shape):
+            return f"{got} ({value.dim()} dims, not {len(self.shape)})"
+        wrong = [d for d, size in enumerate(self.shape) if size != -1 and value.shape[d] != size]
+        if wrong:
+            return f"{got} (dim {wrong[0]} is {value.shape[wrong[0]]}, not {self.shape[wrong[0]]})"
+        return None
+
+
+@dataclass(frozen=True)
+class LoggedInputs:
+    """What a logged model takes, read back from its MLflow model: the signature's tensors (dtype and shape) under
+    the names the pyfunc calls the model with (the forward's parameter names, `input_<i>` where it has none)."""
+
+    inputs: tuple[TakenInput, ...]
+
+    @classmethod
+    def of(cls, info) -> Optional["LoggedInputs"]:
+        """From an `mlflow.models.ModelInfo`; None for a model without a tensor signature (not logged by ampflow),
+        whose inputs are left to the model."""
+        schema = info.signature.inputs if info.signature is not None else None
+        if schema is None or not schema.is_tensor_spec():
+            return None
+        config = (info.flavors.get("python_function") or {}).get("config") or {}
+        specs = schema.inputs
+        names = [str(name) for name in config.get("names") or []]
+        if len(names) != len(specs):
+            names = [spec.name or f"input_{index}" for index, spec in enumerate(specs)]
+        try:
+            dtypes = [torch.from_numpy(np.zeros(0, dtype=spec.type)).dtype for spec in specs]
+        except TypeError:  # a dtype torch has no tensor of (strings): left to the model
+            return None
+        return cls(tuple(TakenInput(name, dtype, tuple(spec.shape))
+                         for name, dtype, spec in zip(names, dtypes, specs)))
+
+    def describe(self) -> str:
+        """`x float32 [N, 3, 32, 32]`, or every input of several, named."""
+        return ", ".join(f"{taken.name} {taken.describe()}" for taken in self.inputs)
+
+    def problem(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Optional[str]:
+        """Why the model does not take `model(*args, **kwargs)`, in one sentence; None when it does. Positional
+        inputs are the first ones in order; named ones by their names."""
+        names = [taken.name for taken in self.inputs]
+        takes = (f"the model takes one tensor, {self.describe()}" if len(names) == 1 else
+                 f"the model takes {len(names)} inputs, by name: {self.describe()}")
+        if len(args) > len(names):
+            return f"{takes}; it was given {len(args)} tensors"
+        unknown = [key for key in kwargs if key not in names[len(args):]]
+        if unknown:
+            fix = ("give the tensor itself" if len(names) == 1 else "give a dict of those") + \
+                (f" (or a dict with the key '{names[0]}')" if len(names) == 1 and not _unnamed(names[0]) else "")
+            return f"{takes}; the data has {', '.join(repr(key) for key in unknown)}, which it does not take: {fix}"
+        given = dict(zip(names, args), **kwargs)
+        missing = [name for name in names if name not in given]
+        if missing:
+            return f"{takes}; the data has no {', '.join(repr(name) for name in missing)}: give a dict of them all"
+        for taken in self.inputs:
+            problem = taken.problem(given[taken.name])
+            if problem:
+                return f"{takes}; {'the data' if len(names) == 1 else repr(taken.name)} is {problem}"
+        return None
+
+
+def _unnamed(name: str) -> bool:
+    """A name `ModelInputs` made up for a positional input whose parameter it could not bind."""
+    return name.startswith("input_") and name.removeprefix("input_").isdigit()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Built in: `cross_entropy` (with `task.label_smoothing`), `mse`, `bce_with_logits` and `next_token` (a causal
 language model's: the logits at each position against the next position's label, -100 ignored) losses;
-`accuracy`, `top5` and `perplexity` (exp of the evaluation's mean loss, `eval/loss`) metrics. Or the user's own, by import path (`package.module:name`, shipped to the workers as an
-import-path model is):
+`accuracy`, `top5` and `perplexity` (exp of the evaluation's mean loss, `eval/loss`) metrics. Or the user's own,
+by import path (`package.module:name`, shipped to the workers as an import-path model is):
 - a loss `fn(outputs, targets) -> loss`: a scalar tensor, the mean over the batch;
 - a metric `fn(outputs, targets) -> {name: (sum, count)}`: for each name, a sum and the number of items
   it is over, for this batch. Evaluation adds them up over all batches and all ranks and logs
@@ -61,11 +61,30 @@ def _as_outputs(targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     return targets.view_as(outputs) if targets.numel() == outputs.numel() else targets
 
 
+MODEL_LOSS_HINT = ("With task.loss: model the model is given the targets (as `labels`, or under task.target's name) "
+                   "and returns its loss: a `loss` key or attribute, or the first item of a tuple, as Hugging Face "
+                   "models do. For a model that does not, name a loss: cross_entropy, mse, bce_with_logits or your "
+                   "own package.module:fn.")
+
+
+def model_loss_of(outputs: Any) -> Any:
+    """The loss a model returned (`task.loss: model`): index 0 of a tuple, else its outputs' `loss` (a key or an
+    attribute); None when they hold none."""
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0] if outputs else None
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    loss = getattr(outputs, "loss", None) if not isinstance(outputs, torch.Tensor) else None
+    return None if callable(loss) else loss
+
+
 def model_loss(outputs: Any, targets: Any) -> torch.Tensor:
     """`task.loss: model`: the loss the model computed (its outputs' `loss`: a key, an attribute, or index 0 of a
     tuple, as Hugging Face models return it when given `labels`)."""
-    loss = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else \
-        part(outputs, "loss", "task.loss", "the model's output")
+    loss = model_loss_of(outputs)
+    if loss is None:
+        raise BadInput(f"task.loss: model: the model's output has no part 'loss' (it is {type(outputs).__name__}). "
+                       f"{MODEL_LOSS_HINT}")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise BadInput(f"task.loss: model: the model's loss is {type(loss).__name__}"
                        f"{' of shape ' + str(list(loss.shape)) if isinstance(loss, torch.Tensor) else ''}, not a "
