@@ -94,10 +94,10 @@ class MetricSection:
 class TaskSection:
     loss: str = "cross_entropy"
     """`cross_entropy` (classification), `mse`, `bce_with_logits`, `next_token` (a causal language model's: the
-    logits [N, T, vocab] at each position against the next position's label, -100 ignored), `model` (the loss the model returns, its
-    outputs' `loss`: the model is given the targets as well, under `task.target`'s name or `labels`, as Hugging Face
-    models take them), or an import path `package.module:fn` to your own `fn(outputs, targets) -> loss` (the batch
-    mean)."""
+    logits [N, T, vocab] at each position against the next position's label, -100 ignored), `model` (the loss the
+    model returns, its outputs' `loss`: the model is given the targets as well, under `task.target`'s name or
+    `labels`, as Hugging Face models take them), or an import path `package.module:fn` to your own
+    `fn(outputs, targets) -> loss` (the batch mean)."""
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
     metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])

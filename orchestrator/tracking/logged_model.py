@@ -252,8 +252,8 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
                code_paths: Optional[list[str]] = None, pip_requirements: Optional[list[str]] = None,
                chosen: Optional[list[str]] = None) -> None:
     """The flavor's `save_model` (`mlflow.models.Model.log` calls it): a pt2 program taking the inputs in their
-    order (`called_in_order`) when the model exports, else the pickled module; then the example and ampflow's pyfunc. Appends the format
-    used to `chosen`."""
+    order (`called_in_order`) when the model exports, else the pickled module; then the example and ampflow's
+    pyfunc. Appends the format used to `chosen`."""
     # mlflow: seconds to import; runner.export imports this module with the driver, whose bad input exits first
     import mlflow.pyfunc
     import mlflow.pytorch
