@@ -123,8 +123,8 @@ def _tokenizers():
         import tokenizers
     except ImportError:
         raise DataUnavailable(f"data.kwargs.tokenizer: bpe trains a byte-level BPE with the tokenizers package, "
-                              "which is not installed. Install it (pip install tokenizers; it comes with "
-                              "transformers, and with ampflow's dev extra), or set data.kwargs.tokenizer: bytes "
+                              "which is not installed. Install it (pip install tokenizers, or pip install "
+                              "'ampflow[lm]'; transformers brings it too), or set data.kwargs.tokenizer: bytes "
                               "(UTF-8 bytes, vocabulary 256).") from None
     return tokenizers
 
