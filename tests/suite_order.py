@@ -23,6 +23,7 @@ FILE_SECONDS = {
     "test_hostile_predict.py": 240,
     "test_remote_submit.py": 230,
     "test_submit_e2e.py": 225,
+    "test_hostile_secrets.py": 450,
     "test_s3_e2e.py": 210,
     "test_lm.py": 240,
     "test_third_party_e2e.py": 190,

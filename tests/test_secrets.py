@@ -101,3 +101,29 @@ def test_a_key_that_names_a_secret_has_its_value_masked_in_yaml_and_in_mappings(
               "data.kwargs.max_tokens": "512", "run.epochs": "3"}
     assert redact_all(params, {}) == {"data.kwargs.storage_key": MASK, "data.kwargs.sentry_dsn": MASK,
                                       "data.kwargs.max_tokens": "512", "run.epochs": "3"}
+
+
+def test_a_mappings_secret_field_is_masked_in_json_python_and_yaml_flow_text_which_stays_what_it_was():
+    import json
+
+    text = json.dumps({"hf_token": "hf_abcdef", "port_key": 5, "use_token": False, "grid_unknown_key": {"rc": 2}})
+    assert json.loads(redact(text, {})) == {"hf_token": MASK, "port_key": MASK, "use_token": False,
+                                            "grid_unknown_key": {"rc": 2}}  # a nested mapping is not a value
+    assert redact("cannot build with {'password': 'hunter2', 'depth': 3}", {}) == \
+        f"cannot build with {{'password': '{MASK}', 'depth': 3}}"
+    assert redact("kwargs: {api_key: k-123, n: 1}", {}) == f"kwargs: {{api_key: {MASK}, n: 1}}"
+
+
+def test_a_yaml_document_redacted_still_loads(monkeypatch):
+    """A value that starts with the mask would be read as a YAML alias (`hf_token: ***`): it is quoted."""
+    import yaml
+
+    from orchestrator.tracking.secrets import redact_yaml
+
+    monkeypatch.setenv("AMPFLOW_TEST_TOKEN", "tok-123456")
+    document = ("# a comment: kept\nmodel:\n  kwargs:\n    hf_token: hf_abcdef\n    items:\n    - tok-123456 it's\n"
+                "    header: Bearer tok-123456\n")
+    masked = redact_yaml(document)
+    assert masked.startswith("# a comment: kept\n")
+    assert yaml.safe_load(masked) == {"model": {"kwargs": {"hf_token": MASK, "items": [f"{MASK} it's"],
+                                                           "header": f"Bearer {MASK}"}}}

@@ -5,6 +5,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from orchestrator.errors import command_exit
+from orchestrator.tracking.secrets import install_console_redaction
 
 COMMANDS = {
     "submit": "train a job file on Ray Train workers, tracked in one MLflow run",
@@ -32,6 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown command '{command}'.\n{usage()}", file=sys.stderr)
         return 2
+    install_console_redaction()  # every command's lines, from its first import on (each also installs it itself)
     module = importlib.import_module(f"orchestrator.cli.{command}")
     return module.main(rest)
 

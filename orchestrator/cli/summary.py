@@ -27,6 +27,7 @@ from orchestrator.config.loader import load_precision
 from orchestrator.config.schema import OptimSection
 from orchestrator.errors import BadInput, command_exit
 from orchestrator.precision.ledger import CATEGORIES, MemoryLedger
+from orchestrator.tracking.secrets import install_console_redaction
 from orchestrator.train.models import build_model
 from orchestrator.train.optim import build_optimizer
 from orchestrator.precision import MasterWeights, Policy, apply, autocast_context, dtype_name, plan
@@ -185,6 +186,7 @@ def render(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    install_console_redaction()  # a user model's own lines and errors may carry a token from the environment
     parser = argparse.ArgumentParser(prog=prog("summary"),
                                      description="A precision-aware model summary: real bytes by dtype.")
     parser.add_argument("model", help="registry name (simple_cnn, resnet18, three_conv) or package.module:Name")

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from orchestrator.config.loader import resolve_preset
 from orchestrator.errors import BadInput
+from orchestrator.tracking.secrets import redact
 
 PRESET_KEY = "precision.preset"
 
@@ -86,6 +87,7 @@ def point_labels(grid: list[tuple[str, list[str]]]) -> dict[str, dict[str, str]]
     points = [dict(zip(keys, values)) for values in itertools.product(*(values for _, values in grid))]
 
     def part(key: str, value: str) -> str:
+        value = redact(f"{key}={value}").partition("=")[2]  # a secret (a password's value) never names a run
         text = value if key == PRESET_KEY else key.rsplit(".", 1)[-1] + value
         return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._-") or "x"
 

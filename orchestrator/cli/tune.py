@@ -19,7 +19,7 @@ from orchestrator import console
 from orchestrator.cli.program import prog
 from orchestrator.config.loader import load_job
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, command_exit
-from orchestrator.tracking.secrets import install_console_redaction, redact
+from orchestrator.tracking.secrets import install_console_redaction, redact, remember_secrets
 from orchestrator.tracking.tracker import TrackingUnavailable, quick_http_failures, reach, resolve_uri
 
 
@@ -44,6 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:  # every refusal before the work: the job, --output, float8, the tracking store
         cfg = load_job(args.job, args.overrides)
+        remember_secrets(cfg)  # masked wherever they show, as the environment's are
         check_output(args.output, args.job, args.force)
         refuse_unavailable_float8(cfg, str(args.job))
         uri = tracking_store(cfg)

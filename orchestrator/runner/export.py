@@ -152,14 +152,11 @@ JOB_ARTIFACT = "config/job.yaml"
 def run_job(tracker, command: str = "export"):
     """The job the run was made from (its `config/job.yaml`); BadInput when it has none: a run ampflow did not
     make, which `ampflow {command}` cannot take."""
-    from mlflow.exceptions import MlflowException  # mlflow: seconds to import; the driver's bad input exits first
-
-    try:
-        text = tracker.load_text(JOB_ARTIFACT)
-    except (MlflowException, OSError):
+    text = tracker.find_text(JOB_ARTIFACT)
+    if text is None:
         raise BadInput(f"run {tracker.run_id} is not an ampflow run: it has no {JOB_ARTIFACT} artifact (every run "
                        f"ampflow makes keeps its job there), so `ampflow {command}` cannot take it. Give the id of a "
-                       "run that ampflow trained.") from None
+                       "run that ampflow trained.")
     return OmegaConf.create(text)
 
 
@@ -167,11 +164,7 @@ def logged_model_problem(tracker, cfg) -> Optional[str]:
     """Why the run (made from the job `cfg`) has no fp32 model `model` to load, in one line; None when it has one.
     A run logs it when it finishes: one that FAILED, was KILLED or is still RUNNING has none for that reason; a
     FINISHED one for `tracking.log_model: false`, or because logging it failed."""
-    from mlflow import MlflowClient  # see `run_job`
-
-    found = MlflowClient(tracking_uri=tracker.uri).search_logged_models(
-        [tracker.experiment_id], filter_string=f"source_run_id = '{tracker.run_id}' AND name = 'model'")
-    if found:
+    if tracker.has_logged_model("model"):
         return None
     status = tracker.status()
     if status == "FINISHED":

@@ -16,6 +16,7 @@ from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.precision import PolicyNotHonoured
 from orchestrator.runner import outputs, stalls
 from orchestrator.runner.checkpoints import newest_finite, remove_unfinished
+from orchestrator.runner.records import storage_uri
 from orchestrator.runner.run_end import RunEnd
 from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tables import audit_summary, audit_summary_html
@@ -121,18 +122,19 @@ def resume_hint(plan: "RunPlan") -> str:
     if stored is None:
         return ("No finite checkpoint was written: there is nothing to resume. Fix the cause, then run the job "
                 "again without --resume.")
-    return (f"The newest finite checkpoint is {stored.path} (step {stored.facts.global_step}); once the cause is "
+    where = storage_uri(plan.cfg.checkpoint.storage_path, stored.path)
+    return (f"The newest finite checkpoint is {where} (step {stored.facts.global_step}); once the cause is "
             f"fixed, continue from it with: python -m orchestrator.submit {plan.job_path} --resume")
 
 
 def finished(plan: "RunPlan", end: RunEnd, result, module_sources: Sequence[Path]) -> int:
     cfg, tracker = plan.cfg, end.tracker
+    checkpoints = storage_uri(cfg.checkpoint.storage_path, result.path)
     if tracker is None:
         end.close("FINISHED")
         print(f"\nTraining finished, but MLflow at {redact(plan.uri)} never answered: nothing was logged. "
-              f"Checkpoints: {result.path}", file=sys.stderr)
-        plan.result = RunResult(None, "FINISHED", Report.from_wire(result.metrics or {}).metrics, str(result.path),
-                                None)
+              f"Checkpoints: {redact(checkpoints)}", file=sys.stderr)
+        plan.result = RunResult(None, "FINISHED", Report.from_wire(result.metrics or {}).metrics, checkpoints, None)
         return EXIT_OK
     model_uri, exit_code = outputs.log_outputs(cfg, result, tracker, module_sources)
     end.close("FINISHED")
@@ -145,18 +147,18 @@ def finished(plan: "RunPlan", end: RunEnd, result, module_sources: Sequence[Path
     for key in (*evaluated, "train/loss", "amp/loss_scale", "amp/skipped_steps", "perf/samples_per_s"):
         if key in final:
             print(f"  {key:<20} {final[key]:.6g}")
-    print(f"Checkpoints: {result.path}")
+    print(f"Checkpoints: {redact(checkpoints)}")
     if model_uri is not None:
         print(f"Model:    {model_uri}  (mlflow.pytorch.load_model / mlflow.pyfunc.load_model)")
     print(f"View it:  {redact(view_hint(plan.uri, tracker.experiment_id, tracker.run_id))}")
-    plan.result = RunResult(tracker.run_id, "FINISHED", final, str(result.path), model_uri)
+    plan.result = RunResult(tracker.run_id, "FINISHED", final, checkpoints, model_uri)
     return exit_code
 
 
 def _incomplete(plan: "RunPlan", end: RunEnd, result) -> int:
     """Training finished but MLflow did not take all of the run, or could not close it: exit 1 (never a success),
     with one line saying what is missing, where the run's data still is and how to get it into MLflow."""
-    tracker = end.tracker
+    tracker, checkpoints = end.tracker, storage_uri(plan.cfg.checkpoint.storage_path, result.path)
     if end.incomplete:
         what = f"{end.why_incomplete()}"
     else:
@@ -164,10 +166,11 @@ def _incomplete(plan: "RunPlan", end: RunEnd, result) -> int:
     state = "marked FAILED (tag tracking_incomplete)" if end.closed else "left RUNNING (its store refuses writes)"
     error = f"run {plan.run_name} trained to the end, but {what}"
     plan.result = RunResult(tracker.run_id, "FAILED", {**Report.from_wire(result.metrics or {}).metrics,
-                                                        **tracker.latest_metrics()}, str(result.path), None,
+                                                        **tracker.latest_metrics()}, checkpoints, None,
                             error=redact(error))
     print(f"\nerror: {redact(error)}. MLflow run {tracker.run_id} {state}. Nothing trained is lost: the "
-          f"checkpoints are in {result.path}, and the reports MLflow lacks are kept in them (the replay outbox). "
+          f"checkpoints are in {redact(checkpoints)}, and the reports MLflow lacks are kept in them (the replay "
+          "outbox). "
           f"{_recovery(plan)}", file=sys.stderr)
     return EXIT_FAILED
 
@@ -177,6 +180,7 @@ def _recovery(plan: "RunPlan") -> str:
         stored = newest_finite(plan.cfg.checkpoint.storage_path, plan.run_name)
     except OSError:
         stored = None
-    newest = f" from {stored.path} (step {stored.facts.global_step})" if stored is not None else ""
+    newest = (f" from {storage_uri(plan.cfg.checkpoint.storage_path, stored.path)} (step {stored.facts.global_step})"
+              if stored is not None else "")
     return (f"Once the store takes writes again, `python -m orchestrator.submit {plan.job_path} --resume` "
             f"continues the same run{newest}: it logs what MLflow lacks and closes the run.")

@@ -31,6 +31,7 @@ from orchestrator.runner import records
 from orchestrator.runner.checkpoints import newest
 from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
+from orchestrator.tracking.secrets import remember_secrets
 from orchestrator.train.batch import MODEL_LOSS, BatchLayout, describe as describe_value
 from orchestrator.train.data import build_datasets, collate_fn, collate_source, device_refusal, ensure_available
 from orchestrator.train.lint import lint
@@ -76,6 +77,8 @@ def preflight(configs: Sequence[DictConfig], job_path: Path, address: Optional[s
 
     `configs`: the job's resolved config, or a sweep's, one per point of its grid (the first is the base).
     """
+    for cfg in configs:  # before anything is printed or logged: the job's own secrets are masked as the env's are
+        remember_secrets(cfg)
     to_job_server = is_job_server_address(address)
     built: dict[str, object] = {}  # a model per distinct model section (a sweep's points usually share one)
     lineage: dict[str, list] = {}  # the data's lineage per distinct data section

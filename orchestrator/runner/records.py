@@ -26,6 +26,19 @@ def _filesystem(storage_path: str):
     return fs.FileSystem.from_uri(storage_path) if "://" in storage_path else (fs.LocalFileSystem(), storage_path)
 
 
+def storage_uri(storage_path: Optional[str], path) -> str:
+    """`path` as the user names it: a path on `storage_path`'s filesystem (as pyarrow and Ray Train's `Result.path`
+    give it, `bucket/runs/NAME` for `s3://bucket/runs`) with the storage URI's scheme put back (`s3://bucket/runs/
+    NAME`); a local path as it is. The URI's user and password are left out."""
+    path = str(path)
+    if not storage_path or "://" not in storage_path or "://" in path:
+        return path
+    scheme, _, rest = storage_path.partition("://")
+    if path.startswith("/"):  # a filesystem whose paths are absolute (hdfs://host/..., file:///...): its host first
+        return f"{scheme}://{rest.split('/', 1)[0].rpartition('@')[2]}{path}"
+    return f"{scheme}://{path}"
+
+
 def write_record(storage_path: str, run_name: str, **fields: Any) -> None:
     """Create or update the record of `run_name` (fields given replace those stored)."""
     filesystem, base = _filesystem(storage_path)

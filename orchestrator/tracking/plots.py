@@ -1,7 +1,7 @@
 """PNG plots logged to the run at its end: the loss scale over steps, and memory by category and dtype."""
 
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 from orchestrator.precision.ledger import CATEGORIES
 
@@ -53,15 +53,16 @@ def memory_figure(bytes_by_category: dict[str, dict[str, float]], policy: str):
     return figure
 
 
-def log_run_plots(client, run_id: str, policy: Optional[str]) -> list[str]:
-    """Draw both plots from what the run logged; returns the artifact paths written."""
+def log_run_plots(client, run_id: str, policy: Optional[str], log_figure: Callable) -> list[str]:
+    """Draw both plots from what the run logged, each written by `log_figure(client, run_id, figure, path)` (the
+    tracker's, which redacts); returns the artifact paths written."""
     plt = _pyplot()
     written = []
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
                for key in ("amp/loss_scale", "amp/skipped_steps")}
     if history["amp/loss_scale"]:
         figure = loss_scale_figure(sorted(history["amp/loss_scale"]), sorted(history["amp/skipped_steps"]))
-        client.log_figure(run_id, figure, "plots/loss_scale.png")
+        log_figure(client, run_id, figure, "plots/loss_scale.png")
         plt.close(figure)
         written.append("plots/loss_scale.png")
     memory: dict[str, dict[str, float]] = {}
@@ -71,7 +72,7 @@ def log_run_plots(client, run_id: str, policy: Optional[str]) -> list[str]:
                 memory.setdefault(row["category"], {})[row["dtype"]] = row["bytes"]
     if memory:
         figure = memory_figure(memory, policy or "custom policy")
-        client.log_figure(run_id, figure, "plots/memory.png")
+        log_figure(client, run_id, figure, "plots/memory.png")
         plt.close(figure)
         written.append("plots/memory.png")
     return written

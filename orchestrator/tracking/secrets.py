@@ -38,22 +38,80 @@ _SECRET_FIELD = re.compile(rf"(?<![A-Za-z0-9_.-])(?P<key>{_SECRET_KEY}|sig)(?P<e
                            re.I)
 _SECRET_YAML_FIELD = re.compile(rf"^(?P<key>[ \t]*(?:- )?{_SECRET_KEY})(?P<equals>:[ \t]+)(?P<value>[^\s#].*?)[ \t]*$",
                                 re.I | re.M)
+# The same key in a mapping written out: JSON's `"hf_token": "..."`, Python's `{'password': '...'}` (a dict in an
+# error message), YAML's flow style `{api_key: ...}`.
+_SECRET_MAPPING_FIELD = re.compile(
+    rf"(?P<key>(?P<quote>[\"']){_SECRET_KEY}(?P=quote)|(?<=[{{,])[ \t]*{_SECRET_KEY})(?P<equals>[ \t]*:[ \t]*)"
+    r"(?P<value>\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[^\s,{}\[\]\"'][^\s,}\]]*)", re.I)
 _SECRET_KEY_NAME = re.compile(_SECRET_KEY, re.I)
 MASK = "***"
 
 
+# The job's own secrets (`remember_secrets`): masked wherever they appear, as the environment's are.
+_remembered: set[str] = set()
+# A remembered value shorter than this is masked only where its key or URI shows it: "abc" everywhere would
+# blank ordinary words and numbers.
+MIN_REMEMBERED_LENGTH = 4
+
+
 def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The environment's secrets (`environ`, default os.environ), and with the process's environment those that
+    `remember_secrets` found in the job, longest first."""
+    remembered = set(_remembered) if environ is None else set()
     environ = os.environ if environ is None else environ
     # Other threads change os.environ while we read it (MLflow's telemetry sets and removes a variable of
     # its own): take the names at once, then skip any that vanished before its value was read.
     found = ((name, environ.get(name)) for name in list(environ))
     values = {value for name, value in found
-              if value and SECRET_NAME.search(name) and value.strip().lower() not in NOT_SECRETS}
+              if value and SECRET_NAME.search(name) and value.strip().lower() not in NOT_SECRETS} | remembered
     return sorted(values, key=len, reverse=True)  # longest first: a secret containing another is masked whole
+
+
+def remember_secrets(job: Any) -> None:
+    """Mask from now on, in everything this process logs or prints, the secrets a job holds in clear: the value
+    of a key that names one (`model.kwargs.hf_token`, `data.kwargs.password`, `api_key`), a URI's password or bare
+    token, a connection string's secret field. `job`: a DictConfig, or plain dicts and lists. A job's text may
+    show them where no key is beside them (a table of a sweep's points, a library's error message)."""
+    if hasattr(job, "_metadata"):  # a DictConfig / ListConfig: its resolved plain form
+        from omegaconf import OmegaConf
+
+        job = OmegaConf.to_container(job, resolve=True)
+    found: set[str] = set()
+    _secrets_in(job, found)
+    _remembered.update(value for value in found if len(value) >= MIN_REMEMBERED_LENGTH and _is_secret_value(value))
+
+
+def _secrets_in(value: Any, found: set[str]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _names_a_secret(key) and isinstance(item, (str, int, float)) and not isinstance(item, bool):
+                found.add(str(item))
+            _secrets_in(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _secrets_in(item, found)
+    elif isinstance(value, str):
+        found.update(m["password"] for m in _USERINFO.finditer(value))
+        found.update(m["token"] for m in _BARE_USERINFO.finditer(value))
+        found.update(m["value"].strip("'\"") for m in _SECRET_FIELD.finditer(value))
 
 
 def redact(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
     return _masked(text, secret_values(environ))
+
+
+def redact_yaml(text: str) -> str:
+    """`redact` for a YAML document, which stays one: a value that now starts with the mask (`hf_token: ***`, a
+    list item `- ***`) would be read as a YAML alias, so it is quoted (`hf_token: '***'`) and the document still
+    loads (export and predict read a run's job back from its `config/job.yaml`)."""
+    return _YAML_MASKED_SCALAR.sub(_quoted_scalar, redact(text))
+
+
+_YAML_MASKED_SCALAR = re.compile(r"^(?P<lead>[ \t]*(?:- +)*(?:[^\n:#'\"]+: +)?)(?P<value>\*\*\*.*?)[ \t]*$", re.M)
+
+
+def _quoted_scalar(match: re.Match) -> str:
+    return f"{match['lead']}'{match['value'].replace(chr(39), chr(39) * 2)}'"
 
 
 def redact_all(value: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
@@ -66,6 +124,7 @@ def _masked(text: str, secrets: list[str]) -> str:
     text = _BARE_USERINFO.sub(lambda m: m[0] if m["token"] == MASK else f"{m['scheme']}{MASK}@", text)
     text = _SECRET_FIELD.sub(_masked_field, text)
     text = _SECRET_YAML_FIELD.sub(_masked_field, text)
+    text = _SECRET_MAPPING_FIELD.sub(_masked_mapping_field, text)
     for value in secrets:
         if len(value) >= MIN_ANYWHERE_LENGTH:
             text = text.replace(value, MASK)
@@ -78,6 +137,16 @@ def _masked_field(match: re.Match) -> str:
     if not _is_secret_value(match["value"]):
         return match[0]
     return f"{match['key']}{match['equals']}{MASK}"
+
+
+def _masked_mapping_field(match: re.Match) -> str:
+    """As `_masked_field`, the mask quoted as the value or its key was: JSON stays JSON (`"port_key": 5` becomes
+    `"port_key": "***"`). A nested mapping or list is structure, not a value: its own fields are looked at."""
+    value = match["value"]
+    if not _is_secret_value(value):
+        return match[0]
+    quote = value[0] if value[:1] in ("'", '"') else (match["quote"] or "")
+    return f"{match['key']}{match['equals']}{quote}{MASK}{quote}"
 
 
 def _is_secret_value(value: str) -> bool:
@@ -174,3 +243,23 @@ def _redacting_record_factory(make_record):
 
     make.redacts = True
     return make
+
+
+def redact_figure(figure):
+    """Every text a matplotlib figure draws (titles, axis and tick labels, legends, annotations), redacted in place;
+    returns the figure. A tick label is made when the figure is drawn, so it is drawn (not rendered) first."""
+    from matplotlib.text import Text
+
+    secrets = secret_values()
+    figure.draw_without_rendering()
+    for axes in figure.get_axes():
+        for axis in (axes.xaxis, axes.yaxis):
+            labels = [label.get_text() for label in axis.get_ticklabels()]
+            masked = [_masked(label, secrets) for label in labels]
+            if masked != labels:
+                axis.set_ticks(axis.get_ticklocs(), labels=masked)
+    for text in figure.findobj(Text):
+        masked = _masked(text.get_text(), secrets)
+        if masked != text.get_text():
+            text.set_text(masked)
+    return figure

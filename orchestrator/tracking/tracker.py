@@ -34,7 +34,7 @@ from orchestrator.errors import BadInput
 from orchestrator.tracking import logged_model
 from orchestrator.tracking.plots import log_run_plots
 from orchestrator.tracking.refusals import Refusals
-from orchestrator.tracking.secrets import redact, redact_all
+from orchestrator.tracking.secrets import redact, redact_all, redact_figure, redact_yaml
 
 if TYPE_CHECKING:
     from orchestrator.tracking.lineage import DatasetLineage
@@ -189,6 +189,10 @@ def _create_experiment(client, name: str) -> str:
         return experiment.experiment_id
 
 
+def _log_figure(client, run_id: str, figure, artifact_path: str) -> None:
+    client.log_figure(run_id, redact_figure(figure), artifact_path)
+
+
 def _write(method):
     """A write to the run: one MLflow refuses is counted in the tracker's `refusals` (then raised as it was)."""
 
@@ -217,19 +221,22 @@ class RunTracker:
         """The artifact paths this tracker logged (`missing_artifacts` checks they are still there)."""
 
     @classmethod
+    def create(cls, uri: str, experiment: str, *, run_name: str, tags: dict[str, str],
+               anyway: str = "to train anyway and log once it is back") -> "RunTracker":
+        """A new RUNNING run in `experiment` (created when missing), its name and tags redacted: for a command whose
+        run is not a job's (`tune`); TrackingUnavailable when MLflow cannot be reached (`anyway`: what
+        `tracking.required: false` does instead, as `reach` tells)."""
+        client, found = reach(uri, experiment, anyway)
+        experiment_id = found.experiment_id if found is not None else _create_experiment(client, experiment)
+        run = client.create_run(experiment_id, run_name=redact(run_name), tags=redact_all(tags))
+        return cls(uri, experiment_id, run.info.run_id)
+
+    @classmethod
     def start(cls, uri: str, cfg: DictConfig, *, run_name: str, tags: dict[str, str],
               params: dict[str, str], config_yaml: str) -> "RunTracker":
-        from mlflow.entities import Param
-
-        client, experiment = reach(uri, cfg.tracking.experiment, "to train anyway and log once it is back")
-        experiment_id = experiment.experiment_id if experiment is not None else \
-            _create_experiment(client, cfg.tracking.experiment)
-        run = client.create_run(experiment_id, run_name=run_name, tags=redact_all(tags))
-        tracker = cls(uri, experiment_id, run.info.run_id)
+        tracker = cls.create(uri, cfg.tracking.experiment, run_name=run_name, tags=tags)
         try:
-            items = [Param(key, value) for key, value in redact_all(params).items()]
-            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-                client.log_batch(tracker.run_id, params=items[i : i + 100])
+            tracker.log_params(params)
             tracker.log_text(config_yaml, "config/job.yaml")
         except BaseException:
             tracker.finish("FAILED")
@@ -266,6 +273,20 @@ class RunTracker:
         local = mlflow.artifacts.download_artifacts(run_id=self.run_id, artifact_path=artifact_path,
                                                     tracking_uri=self.uri)
         return Path(local).read_text()
+
+    def find_text(self, artifact_path: str) -> Optional[str]:
+        """The artifact's text; None where the run has no such artifact."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.load_text(artifact_path)
+        except (MlflowException, OSError):
+            return None
+
+    def has_logged_model(self, name: str) -> bool:
+        """Whether the run logged a model named `name` (an MLflow 3 LoggedModel)."""
+        return bool(self._client.search_logged_models(
+            [self.experiment_id], filter_string=f"source_run_id = '{self.run_id}' AND name = '{name}'"))
 
     def load_model(self):
         """The run's fp32 model (`model`) as logged at the end of training: its pt2 program, loaded without
@@ -346,13 +367,15 @@ class RunTracker:
 
     @_write
     def log_text(self, text: str, artifact_path: str) -> None:
-        self._client.log_text(self.run_id, redact(text), artifact_path)
+        """A text artifact, redacted; a YAML one (by its suffix) stays a YAML document that loads."""
+        masked = redact_yaml(text) if artifact_path.endswith((".yaml", ".yml")) else redact(text)
+        self._client.log_text(self.run_id, masked, artifact_path)
         self.artifacts_logged.add(artifact_path)
 
     @_write
     def log_figure(self, figure, artifact_path: str) -> None:
-        """A matplotlib figure as an image artifact (the caller closes the figure)."""
-        self._client.log_figure(self.run_id, figure, artifact_path)
+        """A matplotlib figure as an image artifact, its texts redacted (the caller closes the figure)."""
+        _log_figure(self._client, self.run_id, figure, artifact_path)
         self.artifacts_logged.add(artifact_path)
 
     def log_model(self, model, inputs, code_paths: Optional[list[str]] = None, name: str = "model") -> str:
@@ -407,7 +430,7 @@ class RunTracker:
         """The loss-scale and memory plots (best effort: a plot never fails a run)."""
 
         try:
-            self.artifacts_logged.update(log_run_plots(self._client, self.run_id, policy))
+            self.artifacts_logged.update(log_run_plots(self._client, self.run_id, policy, _log_figure))
         except Exception as exc:
             kind = self.refusals.refused(exc)
             logger.warning("ampflow: could not log the plots (%s).", kind)
