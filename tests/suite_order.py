@@ -18,6 +18,7 @@ from pathlib import Path
 FILE_SECONDS = {
     "test_interrupt_e2e.py": 405,
     "test_bench.py": 410,
+    "test_transformers_precision.py": 350,
     "test_resume_e2e.py": 275,
     "test_sweep.py": 270,
     "test_hostile_predict.py": 240,

@@ -91,9 +91,11 @@ def test_perplexity_is_exp_of_the_eval_loss_and_a_name_the_job_can_use(tmp_path)
     (metric,) = build_metrics(cfg.task)
     assert metric.of_loss(math.log(7.0)) == {"perplexity": pytest.approx(7.0)}
     assert metric.of_loss(1e6) == {"perplexity": math.inf}
-    with pytest.raises(BadInput, match=r"task.metrics\[0\]: 'accuracy' needs one class score per sample.*"
-                                       r"perplexity"):
-        load_job(job, ["task.metrics=[accuracy]"])
+    for metric in ("accuracy", "token_accuracy"):
+        with pytest.raises(BadInput, match=rf"task.metrics\[0\]: '{metric}' scores each sample or token against its "
+                                           r"own target, but task.loss 'next_token' predicts .* Use task.metrics: "
+                                           r"\[perplexity\]"):
+            load_job(job, [f"task.metrics=[{metric}]"])
 
 
 def test_evaluation_logs_perplexity_from_the_loss_over_every_batch():

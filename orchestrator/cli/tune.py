@@ -135,6 +135,10 @@ def summary(result, cfg) -> str:
     refused = sorted({r["layer"] for r in result.table if r["refused"] and r["refused"].startswith("no fp16")})
     if refused:
         lines.append(f"  never fp16 (no headroom): {', '.join(refused)}")
+    failed = [row for row in result.table if row["refused"] and row["refused"].startswith("fails in")]
+    if failed:
+        lines.append("  skipped, the model does not run with them lowered:")
+        lines.extend(f"    {row['layer']}: {row['refused']}" for row in failed)
     lines.extend(not_tried(result.table))
     p = result.predicted
     lines.append(f"predicted: {p['predicted_speedup']:.2f}x the fp32 speed of the tuned layers, activations "

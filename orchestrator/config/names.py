@@ -31,8 +31,9 @@ NEXT_TOKEN_LOSS = "next_token"
 """A causal language model's loss: the logits at each position against the next token's label (ignoring -100)."""
 LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits", "model", NEXT_TOKEN_LOSS)
 """Built-in losses; `model`: the loss the model returns."""
-CLASS_SCORE_METRICS = ("accuracy", "top5")
-"""Built-in metrics that need class scores (outputs N x classes, integer targets)."""
+CLASS_SCORE_METRICS = ("accuracy", "top5", "token_accuracy")
+"""Built-in metrics of class scores against integer targets. `accuracy`, `top5`: one prediction per sample (outputs
+N x classes); `token_accuracy`: one per token (outputs N x tokens x classes, targets N x tokens, `-100` ignored)."""
 METRICS = (*CLASS_SCORE_METRICS, "perplexity")
 """Built-in metrics; `perplexity`: exp of the evaluation's mean loss (a token-level cross-entropy)."""
 
@@ -103,8 +104,9 @@ def check_metric(spec, where: str, loss: str) -> None:
             raise BadInput(f"{where}: 'perplexity' is exp of a cross-entropy loss, but task.loss is '{loss}'. Drop "
                            "it from task.metrics.")
         if name in CLASS_SCORE_METRICS and loss == NEXT_TOKEN_LOSS:
-            raise BadInput(f"{where}: '{name}' needs one class score per sample, but task.loss is '{loss}' (scores "
-                           "per token). Use task.metrics: [perplexity], or a metric of your own by import path.")
+            raise BadInput(f"{where}: '{name}' scores each sample or token against its own target, but task.loss "
+                           f"'{loss}' predicts each position's next token (the targets are the input ids). Use "
+                           "task.metrics: [perplexity], or a metric of your own by import path.")
         if name in CLASS_SCORE_METRICS and loss in ("mse", "bce_with_logits"):
             raise BadInput(f"{where}: '{name}' needs class scores, but task.loss is '{loss}'. Drop it from "
                            "task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")

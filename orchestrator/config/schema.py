@@ -81,7 +81,7 @@ class DataSection:
 @dataclass
 class MetricSection:
     name: str = MISSING
-    """`accuracy`, `top5`, an import path to your own function `fn(outputs, targets) -> {name: (sum, count)}`, or
+    """`accuracy`, `top5`, `token_accuracy` (per-token outputs; targets of `-100` ignored), an import path to your own function `fn(outputs, targets) -> {name: (sum, count)}`, or
     to a torchmetrics.Metric class (`torchmetrics.classification:MulticlassF1Score`)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a torchmetrics Metric's constructor (`{num_classes: 4, average: macro}`)."""
@@ -101,10 +101,10 @@ class TaskSection:
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
     metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
-    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, `perplexity` (exp of `eval/loss`), import
-    paths to your own `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name:
-    <torchmetrics Metric class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A
-    bare string is `{name: ...}`."""
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, `token_accuracy`, `perplexity` (exp of
+    `eval/loss`), import paths to your own `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and
+    ranks), or `{name: <torchmetrics Metric class>, kwargs: {...}}` (updated per batch, computed over all ranks by
+    torchmetrics). A bare string is `{name: ...}`."""
     inputs: List[str] = field(default_factory=list)
     """The parts of a batch the model takes, by key (a dict batch), attribute (a dataclass or named tuple) or
     index (a tuple): named ones are passed as keyword arguments (`model(input_ids=..., attention_mask=...)`),

@@ -1,7 +1,8 @@
 """Pre-flight's check that the precision policy can be kept: the job's model, copied, cast by the policy and run on
 two samples on the CPU with the audit the workers run after their first step. A layer whose output or storage
 cannot be what its rule promises is refused before Ray starts, naming the layer and the rule that would keep it,
-rather than failing the run on its workers."""
+rather than failing the run on its workers. So is a policy that would hand the layers meeting in one attention
+(query, key and value) different dtypes, naming the rule that splits them."""
 
 import copy
 from typing import Any
@@ -11,6 +12,8 @@ from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
 from orchestrator.precision import Audit, Policy, apply, autocast_context, broken_promises, plan
+from orchestrator.precision.attention import MeetingGroup, deciding_rule, meeting_groups, split_groups
+from orchestrator.precision.dtypes import dtype_name
 
 CPU = "cpu"
 
@@ -26,6 +29,11 @@ def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any) -> No
         return
     trial = copy.deepcopy(model).cpu()
     plans = plan(trial, policy)
+    try:
+        groups = meeting_groups(trial, batch.forward)
+    except Exception:  # a forward the trace cannot follow (tensor subclasses): the workers' own call still refuses
+        groups = []
+    check_attention_kept(cfg, policy, plans, groups)
     apply(trial, policy, plans, CPU)
     audit = Audit(trial, policy, plans)
     try:
@@ -50,3 +58,24 @@ def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any) -> No
     preset = cfg.precision.preset or "the precision section"
     raise BadInput(f"precision: {preset} cannot be kept on model.name {cfg.model.name}: "
                    f"{'; '.join(problems)}.{hint}")
+
+
+def check_attention_kept(cfg: DictConfig, policy: Policy, plans: dict, groups: list[MeetingGroup]) -> None:
+    """BadInput naming the rule when `policy` would give the layers of one attention block (those whose outputs meet
+    in scaled-dot-product attention, or in a matmul of two activations) different dtypes: torch refuses the call."""
+    for group, dtypes in split_groups(groups, plans, policy):
+        rule = deciding_rule(group, dtypes, plans)
+        index = next((i for i, r in enumerate(cfg.precision.rules) if str(r.match) == rule), None)
+        named = (f"precision.rules[{index}] {{match: '{rule}', dtype: {cfg.precision.rules[index].dtype}}}"
+                 if index is not None else f"the policy ({rule or cfg.precision.preset or 'its default dtype'})")
+        by_dtype: dict[str, list[str]] = {}
+        for layer, dtype in dtypes.items():
+            by_dtype.setdefault(dtype_name(dtype), []).append(group.relative(layer))
+        split = " and ".join(f"{', '.join(layers)} in {dtype}" for dtype, layers in by_dtype.items())
+        wanted = cfg.precision.rules[index].dtype if index is not None else dtype_name(dtypes[group.layers[0]])
+        whole = group.block if group.block != "(model)" else "*"
+        raise BadInput(
+            f"{named} splits an attention block: in {group.block} the attention takes {split}, and it takes its "
+            f"query, key and value in one dtype (torch refuses the call). Fix: give the whole block one dtype, "
+            f"e.g. {{match: '{whole}', dtype: {wanted}}}, or a rule for each of "
+            f"{', '.join(group.relative(layer) for layer in group.layers)}.")

@@ -102,20 +102,35 @@ class ModelInputs:
         predicted = self._prediction(model) if model is not None else None
         outputs = None
         if isinstance(predicted, torch.Tensor) and predicted.dim() > 0:
-            outputs = Schema([TensorSpec(_numpy(predicted[:1]).dtype, (-1, *predicted.shape[1:]))])
+            variable = self._variable_output_dims(model, predicted)
+            shape = tuple(-1 if d == 0 or d in variable else size for d, size in enumerate(predicted.shape))
+            outputs = Schema([TensorSpec(_numpy(predicted[:1]).dtype, shape)])
         return ModelSignature(inputs=Schema(specs), outputs=outputs)
 
-    def _prediction(self, model: torch.nn.Module) -> Any:
+    def _prediction(self, model: torch.nn.Module, tensors: Optional[list[torch.Tensor]] = None) -> Any:
         from orchestrator.train.modes import eval_mode
         from orchestrator.train.task import prediction
 
+        tensors = self.tensors if tensors is None else tensors
         try:
             with torch.no_grad(), eval_mode(model):  # the model's own modes are kept; no statistic moves
-                outputs = model(*self.tensors[:self.positional],
-                                **dict(zip(self.names[self.positional:], self.tensors[self.positional:])))
+                outputs = model(*tensors[:self.positional],
+                                **dict(zip(self.names[self.positional:], tensors[self.positional:])))
             return prediction(plain(outputs), self.output)
         except Exception:  # a signature without outputs: the model is logged all the same
             return None
+
+    def _variable_output_dims(self, model: torch.nn.Module, predicted: torch.Tensor) -> set[int]:
+        """The prediction's dims (besides the batch's) that follow the inputs' varying ones (a tagger's per-token
+        scores follow the padded sequence length): found by calling the model again with each varying input dim
+        one shorter and seeing which of the prediction's dims change."""
+        if not any(self.variable):
+            return set()
+        shorter = [_shorten(tensor, dims) for tensor, dims in zip(self.tensors, self.variable)]
+        again = self._prediction(model, shorter)
+        if not isinstance(again, torch.Tensor) or again.dim() != predicted.dim():
+            return set()
+        return {d for d in range(1, predicted.dim()) if again.shape[d] != predicted.shape[d]}
 
     def example(self):
         """The input example as MLflow keeps it: one array, or a dict of named arrays."""
@@ -124,6 +139,14 @@ class ModelInputs:
 
     def describe(self) -> str:
         return ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}" for name, t in zip(self.names, self.tensors))
+
+
+def _shorten(tensor: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """`tensor` with each of `dims` one shorter (those longer than 1)."""
+    for d in dims:
+        if tensor.shape[d] > 1:
+            tensor = tensor.narrow(d, 0, tensor.shape[d] - 1)
+    return tensor
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 Built in: `cross_entropy` (with `task.label_smoothing`), `mse`, `bce_with_logits` and `next_token` (a causal
 language model's: the logits at each position against the next position's label, -100 ignored) losses;
-`accuracy`, `top5` and `perplexity` (exp of the evaluation's mean loss, `eval/loss`) metrics. Or the user's own,
-by import path (`package.module:name`, shipped to the workers as an import-path model is):
+`accuracy`, `top5` and `perplexity` (exp of the evaluation's mean loss, `eval/loss`) metrics, and `token_accuracy`
+for per-token outputs (a tagger's `N x tokens x classes` scores against `N x tokens` targets, the tokens whose
+target is `IGNORE_INDEX` left out: padding, as Hugging Face marks it). Or the user's own, by import path
+(`package.module:name`, shipped to the workers as an import-path model is):
 - a loss `fn(outputs, targets) -> loss`: a scalar tensor, the mean over the batch;
 - a metric `fn(outputs, targets) -> {name: (sum, count)}`: for each name, a sum and the number of items
   it is over, for this batch. Evaluation adds them up over all batches and all ranks and logs
@@ -94,7 +96,8 @@ def model_loss(outputs: Any, targets: Any) -> torch.Tensor:
 
 
 IGNORE_INDEX = -100
-"""A label the token losses skip (padding, a prompt): torch's and Hugging Face's ignore index."""
+"""The target of a token that no metric or loss counts (padding, a prompt): torch's `cross_entropy` default and
+Hugging Face's."""
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -128,8 +131,28 @@ def build_loss(task) -> Loss:
     return lambda outputs, targets: user_loss(fp32(outputs), targets)
 
 
+def _per_token(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    return isinstance(targets, torch.Tensor) and targets.dim() >= 2 and outputs.dim() == targets.dim() + 1
+
+
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
+    if _per_token(outputs, targets):
+        raise ValueError(f"per-token outputs ({'x'.join(map(str, outputs.shape))} scores for "
+                         f"{'x'.join(map(str, targets.shape))} targets): 'accuracy' takes one prediction per sample. "
+                         f"Name the metric for tokens, task.metrics: [token_accuracy] (targets of {IGNORE_INDEX} "
+                         "ignored)")
     return {"accuracy": ((outputs.argmax(dim=1) == targets).sum(), targets.shape[0])}
+
+
+def token_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
+    """The share of tokens whose best-scored class is their target, over every token whose target is not
+    `IGNORE_INDEX`: scores `N x tokens x classes` (the class dim last), targets `N x tokens`."""
+    if not _per_token(outputs, targets):
+        raise ValueError(f"'token_accuracy' takes per-token scores (N x tokens x classes) and targets (N x tokens); "
+                         f"got {'x'.join(map(str, outputs.shape))} scores for {'x'.join(map(str, targets.shape))} "
+                         "targets. For one prediction per sample, name 'accuracy'")
+    counted = targets != IGNORE_INDEX
+    return {"token_accuracy": (((outputs.argmax(dim=-1) == targets) & counted).sum(), counted.sum())}
 
 
 def top5(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, Any]]:
@@ -154,7 +177,7 @@ class Perplexity:
         return {self.name: math.exp(loss) if loss < 709 else math.inf}  # exp overflows a float past 709
 
 
-BUILT_IN = {"accuracy": accuracy, "top5": top5, "perplexity": Perplexity}
+BUILT_IN = {"accuracy": accuracy, "top5": top5, "token_accuracy": token_accuracy, "perplexity": Perplexity}
 
 
 class SummedMetric:

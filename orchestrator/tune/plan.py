@@ -7,7 +7,9 @@ from typing import Any, Optional
 
 import torch
 
+from orchestrator.precision.dtypes import dtype_name
 from orchestrator.precision.float8 import FLOAT8, import_error, native, unavailable
+from orchestrator.precision.policy import LayerPlan, Policy
 from orchestrator.tune.devices import BYTES, TARGETS, modelled_time
 from orchestrator.tune.probe import Probe
 from orchestrator.tune.search import FP32, Option, by_layer, cost, predicted_error
@@ -31,13 +33,23 @@ def options(probe: Probe, candidates: list[str], target: Optional[str], emulate_
             if refused is not None:
                 rows.append(Option(name, dtype, math.nan, math.nan, math.inf, refused))
                 continue
-            output_error, grad_error = probe.sensitivity(name, dtype)
+            try:
+                output_error, grad_error = probe.sensitivity(name, dtype)
+                cost = timed(dtype)
+            except Exception as exc:  # the model does not run with this layer lowered: a candidate skipped, not the tune
+                rows.append(Option(name, dtype, math.nan, math.nan, math.inf, f"fails in {dtype}: {failure(exc)}"))
+                continue
             if dtype == "float16":
                 refused = layer.headroom.refusal
             if refused is None and not (math.isfinite(output_error) and math.isfinite(grad_error)):
                 refused = f"not finite in {dtype}"
-            rows.append(Option(name, dtype, output_error, grad_error, timed(dtype), refused))
+            rows.append(Option(name, dtype, output_error, grad_error, cost, refused))
     return rows
+
+
+def failure(exc: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message, cut at 200 characters."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
 def _refused_before_measuring(layer, dtype: str, target: Optional[str], probe: Probe,
@@ -66,14 +78,26 @@ def float8_missing(device: torch.device, emulate_float8: bool) -> Optional[str]:
     return reason
 
 
-def precision_section(assignment: dict[str, str]) -> dict[str, Any]:
-    """The job's `precision` section for `assignment`: fp32 without autocast, each lowered layer stored and computed
-    in its dtype by a rule naming it exactly, with fp32 master weights for the optimizer (the loss is scaled where a
-    gradient is fp16)."""
-    lowered = {layer: dtype for layer, dtype in assignment.items() if dtype != FP32}
-    return {"preset": None, "compute_dtype": "float32", "param_dtype": "float32", "autocast": None,
-            "master_weights": any(dtype in HALF for dtype in lowered.values()), "keep_norm_fp32": False,
-            "rules": [{"match": glob.escape(layer), "dtype": dtype} for layer, dtype in lowered.items()]}
+def tuned_rules(assignment: dict[str, str], policy: Policy, plans: dict[str, LayerPlan]) -> list[dict[str, str]]:
+    """A rule naming each tuned layer (`assignment`: layer -> dtype) exactly, where the job's own policy would not
+    already store and compute it in the chosen dtype: under autocast every tuned layer has one (a rule's region is
+    what stores it in its dtype), without autocast those whose chosen dtype is not the one they inherit."""
+    return [{"match": glob.escape(layer), "dtype": dtype} for layer, dtype in assignment.items()
+            if policy.autocast or dtype == FLOAT8 or dtype_name(plans[layer].param_dtype) != dtype]
+
+
+def precision_section(assignment: dict[str, str], base: dict[str, Any], policy: Policy,
+                      plans: dict[str, LayerPlan]) -> dict[str, Any]:
+    """The job's `precision` section for `assignment`: the job's own (`base`, its preset and settings) with its own
+    rules first, as they were, then the tuner's (`tuned_rules`); fp32 master weights for the optimizer and a dynamic
+    loss scale where the tuner's rules store layers in half precision and the job's section had neither."""
+    rules = tuned_rules(assignment, policy, plans)
+    section = {**base, "rules": [*base.get("rules", []), *rules]}
+    if any(rule["dtype"] in HALF for rule in rules):
+        section["master_weights"] = True
+    if any(rule["dtype"] == "float16" for rule in rules) and base.get("loss_scale") == "none":
+        section["loss_scale"] = "dynamic"
+    return section
 
 
 def predictions(assignment: dict[str, str], rows: list[Option], probe: Probe) -> dict[str, float]:

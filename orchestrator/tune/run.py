@@ -10,17 +10,19 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from orchestrator.config.loader import parse_overrides
+from orchestrator.config.loader import load_job, parse_overrides
 from orchestrator.config.schema import TuneSection
 from orchestrator.config.yamlsafe import load_yaml_mapping
 from orchestrator.errors import BadInput
 from orchestrator.precision.float8 import FLOAT8
+from orchestrator.precision.policy import Policy, plan
 from orchestrator.train import task
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.models import build_model
 from orchestrator.train.rng import seed_everything
 from orchestrator.tune.check import FP32, Validation, compare, losses
-from orchestrator.tune.plan import float8_missing, options, precision_section, predictions, sensitivity_table
+from orchestrator.tune.plan import (failure, float8_missing, options, precision_section, predictions,
+                                    sensitivity_table)
 from orchestrator.tune.probe import Probe
 from orchestrator.tune.search import by_layer, choose, one_up, riskiest
 
@@ -34,9 +36,9 @@ class Tune:
     """What a tune found."""
 
     assignment: dict[str, str]
-    """Layer -> dtype, for every candidate layer."""
+    """Candidate -> dtype, for every candidate (a layer, or an attention block's layers lowered together)."""
     precision: dict[str, Any]
-    """The `precision` section written to the job."""
+    """The tuned job's whole `precision` section: the job's own, its rules first, then the tuner's."""
     predicted: dict[str, float]
     table: list[dict[str, Any]]
     validations: list[Validation] = field(default_factory=list)
@@ -44,6 +46,8 @@ class Tune:
     moved_up: list[tuple[str, str, str]] = field(default_factory=list)
     """(layer, from dtype, to dtype) for each round a validation failed."""
     device: str = "cpu"
+    kept: list[str] = field(default_factory=list)
+    """The layers the job's own rules decide: kept as they are, never tuned."""
 
     @property
     def lowered(self) -> dict[str, str]:
@@ -96,10 +100,25 @@ def tune(cfg, say: Callable[[str], None] = print) -> Tune:
     settings = cfg.tune
     batches = job_batches(cfg, device, max(settings.batches, settings.validate_steps))
     seed_everything(cfg.run.seed)
-    probe = Probe(build_model(cfg.model), batches[: settings.batches], task.build_loss(cfg.task), device)
+    model = build_model(cfg.model)
+    policy = Policy.from_config(cfg.precision)  # the job's own: its preset and rules are constraints the tune keeps
+    plans = plan(model, policy)
+    kept = [name for name, layer in plans.items()
+            if name and layer.rule not in (None, "keep_norm_fp32") and layer.has_params]
+    probe = Probe(model, batches[: settings.batches], task.build_loss(cfg.task), device, exclude=kept)
+    base = OmegaConf.to_container(cfg.precision)
+
+    def section(assignment: dict[str, str]) -> dict[str, Any]:
+        layers = {layer: dtype for unit, dtype in assignment.items() for layer in probe.layers[unit].layers}
+        return precision_section(layers, base, policy, plans)
+
     where = f"modelled for {settings.target}" if settings.target else f"measured on this {device.type}"
     say(f"probing {len(probe.layers)} layers in {', '.join(settings.candidates)} on {settings.batches} batch(es); "
         f"costs {where}")
+    if kept:
+        say(f"kept as the job's rules decide them (not tuned): {', '.join(kept[:8])}{', ...' if len(kept) > 8 else ''}")
+    for block in probe.excluded_blocks:
+        say(f"not tuned: {block} (the job's rules decide part of its attention; its layers stay as the job has them)")
     rows = options(probe, list(settings.candidates), settings.target, settings.emulate_float8)
     table = by_layer(rows)
     assignment, pinned = choose(rows, settings.tolerance), {}
@@ -111,33 +130,43 @@ def tune(cfg, say: Callable[[str], None] = print) -> Tune:
         steps = batches[: settings.validate_steps]
         if reference is None:
             reference, _ = losses(cfg, FP32, steps, device)
-        curve, skipped = losses(cfg, precision_section(assignment), steps, device)
-        validations.append(compare(reference, curve, skipped))
+        try:
+            curve, skipped = losses(cfg, section(assignment), steps, device)
+            validations.append(compare(reference, curve, skipped))
+            why = f"loss {validations[-1].gap:.3g} from fp32's"
+        except Exception as exc:  # the combination does not train: a failed round, the riskiest layer goes up
+            validations.append(Validation(reference, [], math.inf, 0))
+            why = f"the policy fails ({failure(exc)})"
         if validations[-1].passed(settings.tolerance):
             break
         layer = riskiest(assignment, table, exclude=pinned)
         if layer is None or round_ == settings.max_rounds:
+            stayed = (f"the chosen policy's loss stayed {validations[-1].gap:.3g} (relative, mean over {len(steps)} "
+                      f"steps) from fp32's, above tune.tolerance={settings.tolerance:g}"
+                      if validations[-1].policy_losses else f"the chosen policy does not train: {why}")
             raise ValidationFailed(
-                f"the chosen policy's loss stayed {validations[-1].gap:.3g} (relative, mean over "
-                f"{len(steps)} steps) from fp32's, above tune.tolerance={settings.tolerance:g}, after "
-                f"{round_ + 1} validation round(s). Raise tune.max_rounds or tune.tolerance, or give tune.batches "
-                "more batches.")
+                f"{stayed}, after {round_ + 1} validation round(s). Raise tune.max_rounds or tune.tolerance, or give "
+                "tune.batches more batches.")
         pinned[layer] = one_up(layer, assignment[layer], table)
         moved.append((layer, assignment[layer], pinned[layer]))
-        say(f"validation {round_ + 1}: loss {validations[-1].gap:.3g} from fp32's; {layer} goes from "
-            f"{assignment[layer]} to {pinned[layer]}")
+        say(f"validation {round_ + 1}: {why}; {layer} goes from {assignment[layer]} to {pinned[layer]}")
         assignment = choose(rows, settings.tolerance, pinned=pinned)
-    return Tune(assignment, precision_section(assignment), predictions(assignment, rows, probe),
-                sensitivity_table(rows, probe, assignment), validations, moved, device.type)
+    return Tune(assignment, section(assignment), predictions(assignment, rows, probe),
+                sensitivity_table(rows, probe, assignment), validations, moved, device.type, kept)
 
 
 def tuned_job(job_path: Path, overrides: list[str], precision: dict[str, Any]) -> str:
-    """The job file as the user wrote it (with the command line's overrides), its `precision` section replaced by
-    `precision` and its `tune` section left out: what `submit` takes as it is."""
+    """The job file as the user wrote it (with the command line's overrides), its `tune` section left out and its
+    `precision` section as written (its preset and its settings) with what the tune changed in it: its rules (the
+    job's own first), and `master_weights` and `loss_scale` where they had to change. What `submit` takes as it is."""
     job = OmegaConf.merge(OmegaConf.create(load_yaml_mapping(job_path)), parse_overrides(overrides))
     data = OmegaConf.to_container(job)
     data.pop("tune", None)
-    data["precision"] = {key: value for key, value in precision.items() if value is not None}
+    resolved = OmegaConf.to_container(load_job(job_path, overrides).precision)
+    written = dict(data.get("precision") or {})
+    written.update({key: value for key, value in precision.items() if key != "rules" and value != resolved.get(key)})
+    written["rules"] = [*written.get("rules", []), *precision["rules"][len(resolved["rules"]):]]  # the job's as written
+    data["precision"] = written
     return yaml.safe_dump(data, sort_keys=False)
 
 
