@@ -143,6 +143,21 @@ def test_the_query_projection_lowered_alone_is_refused_naming_the_rule_and_the_w
     assert {entries[f"{BLOCK}.{p}"]["output_dtype"] for p in ("query", "key", "value")} == {"float16"}
 
 
+def test_under_fsdp_the_lowered_query_is_refused_as_under_ddp(text_dir, write_job):
+    """FSDP2 casts each unit's inputs to its own dtype: a query projection lowered alone splits the block there too,
+    and its pre-flight (`FsdpStrategy.check_plan`) refuses it naming the rule."""
+    from orchestrator.runner.preflight import check_data_fits_model
+    from orchestrator.train.fsdp_strategy import FsdpStrategy
+    from orchestrator.train.models import build_model
+
+    cfg = load_job(write_job({**bert_job(**QUERY_RULE), "scaling": {"num_workers": 2, "strategy": "fsdp"}}))
+    model, first = build_model(cfg.model), []
+    check_data_fits_model(cfg, model, first)
+    with pytest.raises(BadInput, match=rf"precision.rules\[0\] {{match: '{QUERY}', dtype: float16}} splits an "
+                                       "attention block"):
+        FsdpStrategy.check_plan(cfg, model, first[0])
+
+
 @pytest.mark.slow  # a fresh interpreter runs submit
 def test_submit_refuses_the_lowered_query_before_ray_starts(text_dir, write_job):
     job = write_job(bert_job(**QUERY_RULE))
