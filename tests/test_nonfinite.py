@@ -71,7 +71,7 @@ def test_nonfinite_gradients_fail_the_run_or_only_warn_as_configured(write_job, 
     with pytest.raises(NonFiniteState, match="not finite at step 2 .*rank 0: classifier.3.bias"):
         TrainingLoop(warning, session).run()
     (report,) = session.reports  # the report goes out, the checkpoint does not
-    assert report.step == 2 and "precision.on_nonfinite_grads: warn" in report.warnings[0]
+    assert report.step == 2 and any("precision.on_nonfinite_grads: warn" in w for w in report.warnings)
     assert report.metrics["amp/nonfinite_grad_steps"] == 1.0
     assert "amp/skipped_steps" not in report.metrics  # nothing was skipped: a counter is logged once it moves
     assert checkpoints(tmp_path / "warning") == []

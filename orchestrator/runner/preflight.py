@@ -41,7 +41,7 @@ from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
 from orchestrator.checkpoint.resume import check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import MODEL_LOSS_HINT, SummedMetric, build_loss, build_metric, fp32, model_loss_of
+from orchestrator.train.task import MODEL_LOSS_HINT, Perplexity, SummedMetric, build_loss, build_metric, fp32, model_loss_of
 
 
 @dataclass
@@ -160,6 +160,7 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
             if refusal is not None:
                 raise BadInput(f"data.loader: device holds (inputs, targets) tensors on the device; data.name "
                                f"{cfg.data.name}'s {split} set is {refusal}. Use data.loader: dataloader.")
+    check_vocabulary(cfg, train, model)
     batch = first_batch(cfg, train, "training")
     if first is not None:
         first.append(batch)
@@ -176,7 +177,7 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
                            f"`{batch.labels}` ({type(exc).__name__}: {str(exc)[:300]}), so it cannot return its own "
                            f"loss. task.loss: model is for a model called as model(inputs, {batch.labels}=targets) "
                            "that returns its loss (as Hugging Face models do); for this model name a loss: "
-                           "cross_entropy, mse, bce_with_logits or your own package.module:fn.") from None
+                           "cross_entropy, mse, bce_with_logits, next_token or your own package.module:fn.") from None
         raise BadInput(f"data.name: {cfg.data.name} gives {given}, which model.name {cfg.model.name} cannot take "
                        f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
                        "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
@@ -188,6 +189,17 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
     lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
     return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe_value(outputs))
+
+
+def check_vocabulary(cfg: DictConfig, train, model) -> None:
+    """Token ids the model's token embedding (its first `nn.Embedding`) has no row for are refused naming both
+    sizes, for a dataset that says its vocabulary (`lm_text`'s `vocab_size`), rather than as an IndexError."""
+    vocabulary = getattr(train, "vocab_size", None)
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if isinstance(vocabulary, int) and embedding is not None and embedding.num_embeddings < vocabulary:
+        raise BadInput(f"model.kwargs: model {cfg.model.name}'s token embedding has {embedding.num_embeddings} rows, "
+                       f"but data {cfg.data.name} has a vocabulary of {vocabulary} tokens. Set the model's "
+                       f"vocab_size (model.kwargs) to at least {vocabulary}.")
 
 
 def _takes_inputs_alone(model, batch) -> bool:
@@ -225,7 +237,8 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
         try:
             metric.reset(torch.device("cpu"))
             metric.update(fp32(outputs), targets)
-            computed = metric.sums if isinstance(metric, SummedMetric) else metric.compute()
+            computed = metric.sums if isinstance(metric, SummedMetric) else \
+                metric.of_loss(0.0) if isinstance(metric, Perplexity) else metric.compute()
         except Exception as exc:
             raise refuse(f"task.metrics[{index}]", spec.name, exc) from None
         names.update(f"eval/{key}" for key in computed)

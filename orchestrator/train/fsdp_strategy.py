@@ -24,6 +24,7 @@ from torch import nn
 from orchestrator.config.job import Job
 from orchestrator.config.strategies import FSDP
 from orchestrator.precision import Precision
+from orchestrator.precision.kept import check_attention_blocks
 from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, plan_units, prepare
 from orchestrator.precision.policy import LayerPlan, Policy, plan
 from orchestrator.checkpoint import sharded as sharded_checkpoint
@@ -63,7 +64,10 @@ class FsdpStrategy:
         """Pre-flight: the units and their policies can be planned on the CPU model (BadInput naming the rule, the
         `scaling.fsdp.wrap` glob or the model's `fsdp_units` entry that cannot be)."""
         policy = Job.of(cfg).policy
-        plan_units(model, policy, plan(model, policy), FsdpSettings.from_config(cfg.scaling, cfg.precision))
+        plans = plan(model, policy)
+        if batch is not None:  # a rule splitting an attention block fails under FSDP2's per-unit casts as under DDP
+            check_attention_blocks(cfg, model, batch, policy, plans)
+        plan_units(model, policy, plans, FsdpSettings.from_config(cfg.scaling, cfg.precision))
 
     @staticmethod
     def resume(candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,

@@ -16,7 +16,7 @@ only the strategy knows whether each rank holds the whole model (`DdpStrategy`) 
 | `checkpoint_format(optimizer)` | `FullState`: rank 0 writes it whole | `DcpShards`: every rank its shards |
 | `snapshot_state` (rollback, promotion) | the same | this rank's shards |
 | `full_state_dict()` | the fp32 weights (any rank) | gathered to rank 0's CPU (a collective) |
-| `check_plan(cfg, model, batch)` (pre-flight) | the policy kept on a CPU copy | the units planned |
+| `check_plan(cfg, model, batch)` (pre-flight) | the policy kept on a CPU copy | attention blocks unsplit, the units planned |
 | `resume(...)` (before the build) | the state holds weights and optimizer | the build first, then the shards |
 | `load_trained_weights(directory, model)` | from train_state.pt | the shards read whole |
 
