@@ -5,7 +5,7 @@ In order: the data can be had, the model builds (on the CPU here) and takes the 
 also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
 precision lint, the FSDP units (`scaling.strategy: fsdp`), this machine can hold the workers, and which run
 it is (a new name that is not taken, or the interrupted run `--resume` continues, checked against its newest
-checkpoint: `orchestrator.train.resume`). The config itself was checked when it was loaded.
+checkpoint: `orchestrator.checkpoint.resume`). The config itself was checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from orchestrator.config.job import Job
 from orchestrator.errors import BadInput
 from orchestrator.runner import records
-from orchestrator.runner.checkpoints import newest
+from orchestrator.checkpoint.stored import newest
 from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
 from orchestrator.common.values import describe as describe_value, prediction
@@ -39,7 +39,7 @@ from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
 from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
-from orchestrator.train.resume import check_model, check_resume
+from orchestrator.checkpoint.resume import check_model, check_resume
 from orchestrator.train.strategy import check_plan
 from orchestrator.train.task import MODEL_LOSS_HINT, Perplexity, SummedMetric, build_loss, build_metric, fp32, model_loss_of
 
@@ -308,7 +308,7 @@ def choose_run(cfg: DictConfig, job_path: Path, resume: bool, *, model=None,
 def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_samples: int):
     """The job against the newest checkpoint of the run it resumes, read from storage before Ray starts:
     IncompatibleResume (exit 2) naming the key and both values when the checkpoint cannot go on under it
-    (`orchestrator.train.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
+    (`orchestrator.checkpoint.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
     for one written before checkpoints recorded them, on a storage URI: then only the workers check)."""
     stored = newest(cfg.checkpoint.storage_path, run_name)
     if stored is None:
