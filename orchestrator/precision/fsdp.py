@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 from orchestrator.errors import BadInput
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
 from orchestrator.precision.float8 import convert_float8, float8_layers, is_float8
-from orchestrator.precision.policy import Audit, LayerPlan, Policy, apply, broken_promises, mixed_norm_kernel, plan
+from orchestrator.precision.policy import (Audit, LayerPlan, Policy, apply, blocks_applied, broken_promises,
+                                          mixed_norm_kernel, plan)
 
 ROOT = "(model)"
 """How the root module is named in units, messages and audit entries."""
@@ -283,7 +284,7 @@ class FsdpAudit(Audit):
         entries = []
         for name in self.modules:
             layer = self.plans[name]
-            if not (layer.has_params or layer.region):
+            if not (layer.has_params or layer.region or layer.checkpoint or layer.compile):
                 continue
             unit = self.fsdp_plan.unit(self.fsdp_plan.unit_of[name])
             stored = self.stored.get(name)
@@ -303,6 +304,7 @@ class FsdpAudit(Audit):
                 "promised_output_dtype": _name(promised_out),
                 "rule": layer.rule, "autocast": self.policy.autocast,
                 "float8": is_float8(self.modules[name]), "promised_float8": layer.float8 is not None,
+                **blocks_applied(self.modules[name], layer),
             })
         return entries
 

@@ -69,6 +69,8 @@ class Precision:
         self.audit: Optional[Audit] = None
         """Records the first step's output dtypes; None once closed."""
         self.ledger: Optional[MemoryLedger] = None
+        self.plans: dict[str, Any] = {}
+        """Each module's LayerPlan (qualified name -> plan), once `prepare` planned them."""
         self.named_tensors: list[tuple[str, torch.Tensor]] = []
         """The tensors the optimizer steps (fp32 masters where there are some), by parameter name."""
 
@@ -80,7 +82,7 @@ class Precision:
         The fp32 masters are captured before the cast, so they start from the exact fp32 values.
         Apply before DDP wraps the model: the hooks belong on the modules themselves.
         """
-        plans = plan(model, self.policy)
+        plans = self.plans = plan(model, self.policy)
         convert_float8(model, float8_layers(plans), self.device)  # before the hooks: it swaps the modules
         self.masters = MasterWeights(model, plans) if self.policy.master_weights else None
         apply(model, self.policy, plans, self.device.type)

@@ -1,0 +1,148 @@
+"""Rules that do more than choose a dtype: `checkpoint: full | selective` (activation checkpointing of the matched
+blocks) and `compile: true` (each matched block compiled on its own). The dtype keeps its first-match-wins meaning (a
+rule without a dtype decides none); the audit says per layer what was applied; bad rules are refused at load or in
+pre-flight, naming the key. Fast ones run the Ray-free loop in one process."""
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from conftest import small_job
+from orchestrator.config import load_job
+from orchestrator.errors import BadInput
+from orchestrator.precision.blocks import apply_blocks
+from orchestrator.precision.policy import Policy, plan
+from orchestrator.train.local import LocalSession
+from orchestrator.train.loop import TrainingLoop
+from orchestrator.train.models import SimpleCNN
+from orchestrator.train.strategy import check_plan
+
+CPU = torch.device("cpu")
+
+
+def job(tmp_path, name="job", **sections):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(small_job(**sections), sort_keys=False))
+    return load_job(path)
+
+
+def trained(cfg, directory):
+    """rank 0's reports of the job run on the Ray-free loop in this process."""
+    session = LocalSession(0, 1, CPU, directory)
+    TrainingLoop(cfg, session).run()
+    return session.reports
+
+
+def audit_of(reports):
+    return {entry["name"]: entry for entry in next(r.tables["precision/audit"] for r in reports
+                                                   if "precision/audit" in r.tables)}
+
+
+def losses(reports):
+    return [r.metrics["train/loss"] for r in reports if "train/loss" in r.metrics]
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+
+def policy_of(*rules, **precision):
+    return Policy.from_config(load_job_section(list(rules), **precision))
+
+
+def load_job_section(rules, **precision):
+    from omegaconf import OmegaConf
+
+    from orchestrator.config.sections.precision import PrecisionSection
+
+    section = OmegaConf.structured(PrecisionSection)
+    return OmegaConf.merge(section, {"rules": rules, **precision})
+
+
+def test_a_rule_without_a_dtype_decides_no_dtype_and_the_next_matching_rule_does():
+    policy = policy_of({"match": "features", "checkpoint": "full"}, {"match": "feat*", "dtype": "bfloat16"},
+                       {"match": "classifier", "compile": True}, {"match": "class*", "dtype": "float16"})
+    plans = plan(SimpleCNN(), policy)
+    assert plans["features"].checkpoint == "full" and plans["features"].param_dtype == torch.bfloat16
+    assert plans["features"].rule == "feat*" and plans["features"].checkpoint_rule == "features"
+    assert plans["classifier"].compile and plans["classifier"].param_dtype == torch.float16
+    assert plans["classifier.1"].param_dtype == torch.float16  # inherited from the ruled block, as before
+    assert not plans["features.0"].checkpoint and not plans["classifier.1"].compile
+
+
+def test_a_block_inside_a_checkpointed_or_compiled_block_is_not_checkpointed_or_compiled_again():
+    policy = policy_of({"match": "features", "checkpoint": "full", "compile": True},
+                       {"match": "Conv2d", "checkpoint": "selective", "compile": True})
+    plans = plan(SimpleCNN(), policy)
+    assert (plans["features"].checkpoint, plans["features"].compile) == ("full", True)
+    assert (plans["features.0"].checkpoint, plans["features.0"].compile) == (None, False)
+
+
+def _saved_tensors(block, x):
+    count = [0]
+
+    def pack(tensor):
+        count[0] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(x).sum().backward()
+    return count[0]
+
+
+def test_full_checkpointing_saves_only_the_block_input_and_selective_saves_the_matmul_outputs():
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    counts, grads = {}, {}
+    for mode in (None, "selective", "full"):
+        block = mlp()
+        if mode:
+            apply_blocks(block, plan(block, policy_of({"match": "Sequential", "checkpoint": mode})))
+        counts[mode] = _saved_tensors(block, x)
+        grads[mode] = [p.grad.clone() for p in block.parameters()]
+    assert counts["full"] < counts["selective"] < counts[None]
+    for mode in ("selective", "full"):  # the same gradients: the recomputation is exact
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads[None]))
+
+
+# -- the loop ---------------------------------------------------------------------------------------------------
+
+def test_checkpointed_and_compiled_blocks_train_as_the_plain_model_and_the_audit_says_what_was_applied(tmp_path):
+    plain = trained(job(tmp_path, "plain", scaling={"num_workers": 1}), tmp_path / "plain")
+    ruled_cfg = job(tmp_path, "ruled", scaling={"num_workers": 1}, perf={"compile_backend": "eager"},
+                    precision={"rules": [{"match": "features", "checkpoint": "full"},
+                                         {"match": "classifier", "compile": True}]})
+    ruled = trained(ruled_cfg, tmp_path / "ruled")
+    assert losses(ruled) == losses(plain) and losses(plain)  # recomputation and compilation change nothing
+    audit = audit_of(ruled)
+    assert (audit["features"]["checkpoint"], audit["features"]["promised_checkpoint"]) == ("full", "full")
+    assert audit["classifier"]["compiled"] and audit["classifier"]["promised_compile"]
+    assert audit["features.0"]["checkpoint"] is None and not audit["features.0"]["compiled"]
+    assert audit_of(plain).get("features") is None  # a block no rule names and without parameters: not listed
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_mode_other_than_full_or_selective_is_bad_input_naming_the_key(tmp_path):
+    with pytest.raises(BadInput, match=r"precision\.rules\[1\]\.checkpoint: unknown mode 'half'. Use one of full, "
+                                       r"selective"):
+        job(tmp_path, precision={"rules": [{"match": "features", "dtype": "float32"},
+                                           {"match": "classifier", "checkpoint": "half"}]})
+
+
+def test_a_rule_that_sets_nothing_is_bad_input(tmp_path):
+    with pytest.raises(BadInput, match=r"precision\.rules\[0\]: the rule for 'features' sets none of dtype"):
+        job(tmp_path, precision={"rules": [{"match": "features"}]})
+
+
+@pytest.mark.parametrize("rule", [{"match": "blocks.*", "checkpoint": "full"}, {"match": "Attention", "compile": True}])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_or_compile_rule_matching_no_module_is_refused_in_preflight_naming_the_key(tmp_path, rule,
+                                                                                                 strategy):
+    cfg = job(tmp_path, scaling={"num_workers": 2, "strategy": strategy},
+              precision={"rules": [{"match": "features", "dtype": "float32"}, rule]})
+    with pytest.raises(BadInput, match=rf"precision\.rules\[1\]\.match: '{rule['match']}' \(.*\) matches no module "
+                                       r"of SimpleCNN"):
+        check_plan(cfg, SimpleCNN())
