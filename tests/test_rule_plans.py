@@ -146,3 +146,26 @@ def test_a_checkpoint_or_compile_rule_matching_no_module_is_refused_in_preflight
     with pytest.raises(BadInput, match=rf"precision\.rules\[1\]\.match: '{rule['match']}' \(.*\) matches no module "
                                        r"of SimpleCNN"):
         check_plan(cfg, SimpleCNN())
+
+
+# -- under FSDP2 ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_under_fsdp_checkpointed_and_compiled_units_train_to_the_same_weights_on_two_ranks(tmp_path):
+    from omegaconf import OmegaConf
+
+    from orchestrator.train.local import spawn
+
+    def run(name, **precision):
+        cfg = job(tmp_path, name, scaling={"num_workers": 2, "strategy": "fsdp"}, perf={"compile_backend": "eager"},
+                  precision=precision)
+        return spawn(OmegaConf.to_container(cfg, resolve=True), world_size=2, directory=tmp_path / name)
+
+    plain = run("plain")
+    ruled = run("ruled", rules=[{"match": "features", "checkpoint": "full"}, {"match": "classifier", "compile": True}])
+    assert losses(ruled["reports"]) == losses(plain["reports"])
+    for name, weight in plain["weights"].items():  # the plain model's names: nothing renamed by the wrapping
+        assert torch.equal(ruled["weights"][name], weight), name
+    audit = audit_of(ruled["reports"])
+    assert (audit["features"]["unit"], audit["features"]["checkpoint"]) == ("features", "full")
+    assert (audit["classifier"]["unit"], audit["classifier"]["compiled"]) == ("classifier", True)
