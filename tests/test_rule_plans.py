@@ -169,3 +169,47 @@ def test_under_fsdp_checkpointed_and_compiled_units_train_to_the_same_weights_on
     audit = audit_of(ruled["reports"])
     assert (audit["features"]["unit"], audit["features"]["checkpoint"]) == ("features", "full")
     assert (audit["classifier"]["unit"], audit["classifier"]["compiled"]) == ("classifier", True)
+
+
+# -- float8 only where it pays ----------------------------------------------------------------------------------
+
+def _float8_run(min_size, caplog):
+    """A wide and a narrow Linear under a float8 rule, one forward and backward on the CPU's emulation: the audit."""
+    pytest.importorskip("torchao.float8")
+    from orchestrator.precision import Precision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 64), nn.ReLU(), nn.Linear(64, 10))
+    section = load_job_section([{"match": "Linear", "dtype": "float8"}], float8_min_size=min_size)
+    precision = Precision(section, CPU)
+    with caplog.at_level("WARNING", logger="ampflow.precision"):
+        precision.prepare(model)
+    with precision.forward():
+        model(torch.randn(16, 64)).sum().backward()
+    return {entry["name"]: entry for entry in precision.close_audit()}
+
+
+def test_float8_skips_the_layers_below_torchaos_threshold_naming_each_and_why(caplog):
+    audit = _float8_run("torchao", caplog)
+    assert audit["0"]["float8"] and audit["0"]["float8_skipped"] is None  # K x N = 64 x 2048: N above 1024
+    assert not audit["2"]["float8"] and not audit["2"]["promised_float8"]  # 2048 x 64: both within the threshold
+    assert audit["2"]["float8_skipped"] == ("K x N = 2048 x 64 is within torchao's H100 threshold for tensorwise "
+                                            "scaling (K <= 4096 and N <= 1024)")
+    assert audit["4"]["float8_skipped"] == "K x N = 64 x 10: float8 matmuls need both dims multiples of 16"
+    assert audit["2"]["rule"] is None and audit["2"]["output_dtype"] == "float32"  # as if the rule did not name it
+    said = caplog.text
+    assert "float8 skipped for layer '2' (rule Linear): K x N = 2048 x 64 is within" in said
+    assert "float8 skipped for layer '4' (rule Linear): K x N = 64 x 10" in said and "layer '0'" not in said
+
+
+@pytest.mark.parametrize("min_size", ["auto", "none"])
+def test_on_the_cpu_emulation_float8_converts_every_layer_unless_the_job_asks(min_size, caplog):
+    audit = _float8_run(min_size, caplog)
+    assert all(audit[name]["float8"] and audit[name]["float8_skipped"] is None for name in ("0", "2", "4"))
+    assert "float8 skipped" not in caplog.text
+
+
+def test_an_unknown_float8_min_size_is_bad_input_naming_the_key(tmp_path):
+    with pytest.raises(BadInput, match=r"precision\.float8_min_size: unknown value 'small'. Use one of auto, "
+                                       r"torchao, none"):
+        job(tmp_path, precision={"float8_min_size": "small"})

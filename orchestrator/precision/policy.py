@@ -20,7 +20,7 @@ from torch import nn
 from orchestrator.errors import BadInput
 from orchestrator.precision.amp import AmpSettings
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
-from orchestrator.precision.float8 import FLOAT8, is_float8
+from orchestrator.precision.float8 import FLOAT8, MIN_SIZES, is_float8
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 # Layers whose output autocast puts in the compute dtype (what the audit holds O1 to).
@@ -78,6 +78,13 @@ def _rule(rule: Any, key: str) -> Rule:
     return Rule(str(rule.match), parse_dtype(dtype, f"{key}.dtype", also=(FLOAT8,)), **extras)
 
 
+def _float8_min_size(precision: Any) -> str:
+    value = str(precision.get("float8_min_size", "auto"))
+    if value not in MIN_SIZES:
+        raise BadInput(f"precision.float8_min_size: unknown value '{value}'. Use one of {', '.join(MIN_SIZES)}.")
+    return value
+
+
 @dataclass(frozen=True)
 class Policy:
     amp: AmpSettings
@@ -86,6 +93,11 @@ class Policy:
     master_weights: bool
     keep_norm_fp32: bool
     rules: tuple[Rule, ...]
+    float8_min_size: str = "auto"
+    """Which Linear layers float8 rules leave out as too small to gain (`orchestrator.precision.float8.skip_small`)."""
+    float8_skipped: tuple[tuple[str, str], ...] = ()
+    """(layer, why) for the Linear layers float8 rules leave out here (`skip_small`): no float8 rule matches them, as
+    if the rule did not name them."""
 
     @classmethod
     def from_config(cls, precision: Any) -> "Policy":
@@ -97,6 +109,7 @@ class Policy:
             master_weights=bool(precision.master_weights),
             keep_norm_fp32=bool(precision.keep_norm_fp32),
             rules=rules,
+            float8_min_size=_float8_min_size(precision),
         )
 
     @property
@@ -148,6 +161,9 @@ class LayerPlan:
     """Conv or Linear: autocast runs it in the compute dtype."""
     float8: Optional[str] = None
     """A float8 rule names this Linear layer: its matmuls run in float8 with this scaling (`precision.float8`)."""
+    float8_skipped: Optional[str] = None
+    """A float8 rule names this Linear layer, but it is too small for float8 to gain (`precision.float8_min_size`):
+    why (its K x N against the threshold). It computes as it would without the float8 rule."""
     keeps_neighbour_dtype: bool = False
     """A normalisation layer kept in fp32 among half layers: its kernel computes in fp32 but takes and returns
     its neighbours' half dtype (as cuDNN's BatchNorm and Apex O2), so no fp32 activations are saved around
@@ -188,7 +204,8 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
     plans: dict[str, LayerPlan] = {}
     for name, module in model.named_modules():
         parent = plans.get(name.rpartition(".")[0]) if name else None
-        matching = [r for r in policy.rules if r.matches(name, module)]
+        skipped = dict(policy.float8_skipped).get(name)
+        matching = [r for r in policy.rules if r.matches(name, module) and not (r.float8 and skipped)]
         rule = next((r for r in matching if r.dtype is not None), None)
         checkpointing = next((r for r in matching if r.checkpoint is not None), None)
         compiling = next((r for r in matching if r.compile), None)
@@ -217,6 +234,7 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
             keeps_neighbour_dtype=decided_by is not None and dtype == torch.float32 and isinstance(module, NORM_TYPES)
             and neighbours != torch.float32,
             float8=rule.float8 if rule is not None else None,
+            float8_skipped=skipped,
             last_child=next((f"{name}.{child}" if name else child for child, _ in reversed(
                 list(module.named_children()))), None),
             checkpoint=checkpointing.checkpoint if checkpointing else None,
@@ -366,6 +384,7 @@ class Audit:
                 "autocast": self.policy.autocast,
                 "float8": is_float8(module),
                 "promised_float8": layer.float8 is not None,
+                "float8_skipped": layer.float8_skipped,
                 **blocks_applied(module, layer),
             })
         return entries

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from orchestrator.precision.amp import autocast_context
-from orchestrator.precision.float8 import convert_float8, float8_layers
+from orchestrator.precision.float8 import convert_float8, float8_layers, skip_small
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, plan
@@ -83,6 +83,7 @@ class Precision:
         Apply before DDP wraps the model: the hooks belong on the modules themselves.
         """
         plans = self.plans = plan(model, self.policy)
+        self.policy = skip_small(model, self.policy, plans, self.device)  # float8 only where it pays
         convert_float8(model, float8_layers(plans), self.device)  # before the hooks: it swaps the modules
         self.masters = MasterWeights(model, plans) if self.policy.master_weights else None
         apply(model, self.policy, plans, self.device.type)

@@ -87,6 +87,12 @@ class PrecisionSection:
     they are overflows: skipped, the scale backs off."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
+    float8_min_size: str = "auto"
+    """Which Linear layers a `dtype: float8` rule leaves out as too small for float8 to gain (they compute as they
+    would without the rule; the audit's `float8_skipped` and the console say why): `auto` applies torchao's
+    measured H100 thresholds (dims multiples of 16, and K x N above a size per scaling) on GPUs with float8 tensor
+    cores and skips nothing on the CPU's emulation; `torchao` applies them everywhere; `none` converts every layer
+    the rules name."""
     reduce_dtype: str = "float32"
     """Under `scaling.strategy: fsdp`: the dtype gradients are reduce-scattered in (`float32`, `bfloat16` or
     `float16`); each rank's gradient shard is then kept in its parameters' storage dtype. DDP reduces each gradient
