@@ -213,3 +213,15 @@ def test_an_unknown_float8_min_size_is_bad_input_naming_the_key(tmp_path):
     with pytest.raises(BadInput, match=r"precision\.float8_min_size: unknown value 'small'. Use one of auto, "
                                        r"torchao, none"):
         job(tmp_path, precision={"float8_min_size": "small"})
+
+
+@pytest.mark.slow
+def test_under_fsdp_checkpoint_full_on_a_decoders_blocks_halves_its_activations_and_keeps_its_loss_curve():
+    from bench.rule_checkpoint import LOSS_TOLERANCE, trained
+
+    plain = trained([], layers=2, steps=3, world_size=2)
+    full = trained([{"match": "blocks.*", "checkpoint": "full"}], layers=2, steps=3, world_size=2)
+    assert full["checkpointed"] == ["blocks.0", "blocks.1"]  # the blocks, not what is inside them
+    assert sum(full["activation_bytes"].values()) <= 0.5 * sum(plain["activation_bytes"].values())
+    assert len(full["losses"]) == len(plain["losses"]) == 3
+    assert full["losses"] == pytest.approx(plain["losses"], rel=LOSS_TOLERANCE)
