@@ -66,21 +66,15 @@ def compiled(module: nn.Module) -> bool:
 
 
 def apply_blocks(model: nn.Module, plans: dict[str, LayerPlan], compile_options: Optional[dict[str, Any]] = None
-                 ) -> list[str]:
+                 ) -> None:
     """Checkpoint, then compile, each block the plans say (`compile_options`: torch.compile's arguments, from
-    `perf.compile_backend` and `perf.compile_mode`). Returns one line per block changed, for the console."""
-    done = []
+    `perf.compile_backend` and `perf.compile_mode`). The audit reads back what each block got."""
     for name, module in model.named_modules():
         layer = plans.get(name)
-        if layer is None:
-            continue
-        if layer.checkpoint:
+        if layer is not None and layer.checkpoint:
             checkpoint_block(module, layer.checkpoint)
-            done.append(f"{layer.name}: activation checkpointing {layer.checkpoint} (rule {layer.checkpoint_rule})")
-        if layer.compile:
+        if layer is not None and layer.compile:
             module.compile(**(compile_options or {}))
-            done.append(f"{layer.name}: compiled on its own (rule {layer.compile_rule})")
-    return done
 
 
 def compile_options(perf: Any) -> dict[str, Any]:
