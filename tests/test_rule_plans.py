@@ -121,6 +121,11 @@ def test_checkpointed_and_compiled_blocks_train_as_the_plain_model_and_the_audit
     assert audit["classifier"]["compiled"] and audit["classifier"]["promised_compile"]
     assert audit["features.0"]["checkpoint"] is None and not audit["features.0"]["compiled"]
     assert audit_of(plain).get("features") is None  # a block no rule names and without parameters: not listed
+    from orchestrator.tracking.tables import audit_summary
+
+    blocks = audit_summary(list(audit.values()))["blocks"]  # the run's audit_summary table
+    assert [(row["layer"], row["checkpoint"], row["compiled"]) for row in blocks] == [
+        ("features", "full", "-"), ("classifier", "-", "yes")]
 
 
 # -- bad input --------------------------------------------------------------------------------------------------

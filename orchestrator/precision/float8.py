@@ -8,9 +8,7 @@ in float8 (torchao's float8 all-gather).
 import functools
 import importlib
 import importlib.util
-import logging
-from dataclasses import replace
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -29,8 +27,6 @@ THRESHOLDS = {
 """torchao's measured H100 thresholds (`torchao.float8._auto_filter_for_recipe`), in words, per scaling: a layer of
 K inputs and N outputs they cover is slower in float8 than in bf16 (the casts and scales cost more than the faster
 matmul gains). Dims not multiples of 16 cannot run float8 matmuls at all."""
-
-logger = logging.getLogger("ampflow.precision")
 
 
 def unavailable(device: Optional[torch.device] = None) -> Optional[str]:
@@ -73,34 +69,6 @@ def too_small(linear: nn.Module, scaling: str) -> Optional[str]:
     if k % 16 or n % 16:
         return f"K x N = {k} x {n}: float8 matmuls need both dims multiples of 16"
     return f"K x N = {k} x {n} is within torchao's H100 threshold for {scaling} scaling ({THRESHOLDS[scaling]})"
-
-
-def skip_small(model: nn.Module, policy: Any, plans: dict, device: torch.device) -> Any:
-    """`policy` without float8 on the Linear layers too small to gain (`precision.float8_min_size`): `auto` where
-    float8 is native (a GPU with float8 tensor cores; the CPU's emulation converts every layer the rules name),
-    `torchao` everywhere, `none` nowhere. A layer left out computes as if its float8 rule did not name it (the next
-    matching rule, or its parent's dtype, or autocast's); the policy's `float8_skipped` and each layer's plan say
-    why (its K x N against the threshold), and so does the console. `plans` (`policy.plan` of `model`) are replanned
-    in place under the returned policy."""
-    if policy.float8_min_size == "none" or (policy.float8_min_size == "auto" and not native(device)):
-        return policy
-    modules = dict(model.named_modules())
-    skipped = []
-    for name, layer in plans.items():
-        key = "" if name == "(model)" else name
-        if layer.float8 and isinstance(modules.get(key), nn.Linear):
-            reason = too_small(modules[key], layer.float8)
-            if reason is not None:
-                skipped.append((key, reason))
-                logger.warning("ampflow: float8 skipped for layer '%s' (rule %s): %s; it computes as if the rule "
-                               "did not name it.", layer.name, layer.rule, reason)
-    if not skipped:
-        return policy
-    from orchestrator.precision.policy import plan  # the policy module imports this one
-
-    policy = replace(policy, float8_skipped=policy.float8_skipped + tuple(skipped))
-    plans.update(plan(model, policy))
-    return policy
 
 
 def float8_layers(plans: dict) -> dict[str, str]:

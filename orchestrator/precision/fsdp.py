@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 from orchestrator.errors import BadInput
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
-from orchestrator.precision.float8 import convert_float8, float8_layers, is_float8, skip_small
+from orchestrator.precision.float8 import convert_float8, float8_layers, is_float8
+from orchestrator.precision.float8_pays import skip_small
 from orchestrator.precision.policy import (Audit, LayerPlan, Policy, apply, blocks_applied, broken_promises,
                                           mixed_norm_kernel, plan)
 

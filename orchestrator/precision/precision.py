@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from orchestrator.precision.amp import autocast_context
-from orchestrator.precision.float8 import convert_float8, float8_layers, skip_small
+from orchestrator.precision.float8 import convert_float8, float8_layers
+from orchestrator.precision.float8_pays import skip_small
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, plan
