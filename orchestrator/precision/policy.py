@@ -94,7 +94,8 @@ class Policy:
     keep_norm_fp32: bool
     rules: tuple[Rule, ...]
     float8_min_size: str = "auto"
-    """Which Linear layers float8 rules leave out as too small to gain (`orchestrator.precision.float8_pays.skip_small`)."""
+    """Which Linear layers float8 rules leave out as too small to gain
+    (`orchestrator.precision.float8_pays.skip_small`)."""
     float8_skipped: tuple[tuple[str, str], ...] = ()
     """(layer, why) for the Linear layers float8 rules leave out here (`skip_small`): no float8 rule matches them, as
     if the rule did not name them."""
