@@ -13,6 +13,7 @@ from orchestrator.config import load_job
 from orchestrator.errors import BadInput
 from orchestrator.precision.blocks import apply_blocks
 from orchestrator.precision.policy import Policy, plan
+from orchestrator.train.batch import Batch
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.models import SimpleCNN
@@ -230,3 +231,18 @@ def test_under_fsdp_checkpoint_full_on_a_decoders_blocks_halves_its_activations_
     assert sum(full["activation_bytes"].values()) <= 0.5 * sum(plain["activation_bytes"].values())
     assert len(full["losses"]) == len(plain["losses"]) == 3
     assert full["losses"] == pytest.approx(plain["losses"], rel=LOSS_TOLERANCE)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return nn.functional.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+
+
+def test_a_split_attention_names_the_rule_deciding_the_dtype_not_a_checkpoint_rule_with_the_same_glob(tmp_path):
+    cfg = job(tmp_path, precision={"rules": [{"match": "q", "checkpoint": "full"}, {"match": "q", "dtype": "float16"}]})
+    with pytest.raises(BadInput, match=r"precision\.rules\[1\] \{match: 'q', dtype: float16\} splits"):
+        check_plan(cfg, _Attention(), Batch(args=(torch.randn(2, 4, 8),), targets=torch.zeros(2, dtype=torch.long)))
