@@ -154,16 +154,18 @@ def test_a_checkpoint_or_compile_rule_matching_no_module_is_refused_in_preflight
         check_plan(cfg, SimpleCNN())
 
 
-# -- under FSDP2 ------------------------------------------------------------------------------------------------
+# -- on two ranks ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_under_fsdp_checkpointed_and_compiled_units_train_to_the_same_weights_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_checkpointed_and_compiled_blocks_train_to_the_same_weights_on_two_ranks(tmp_path, strategy):
+    """FSDP2: checkpointing, compile, then `fully_shard` on the same blocks (units); DDP: then DDP."""
     from omegaconf import OmegaConf
 
     from orchestrator.train.local import spawn
 
     def run(name, **precision):
-        cfg = job(tmp_path, name, scaling={"num_workers": 2, "strategy": "fsdp"}, perf={"compile_backend": "eager"},
+        cfg = job(tmp_path, name, scaling={"num_workers": 2, "strategy": strategy}, perf={"compile_backend": "eager"},
                   precision=precision)
         return spawn(OmegaConf.to_container(cfg, resolve=True), world_size=2, directory=tmp_path / name)
 
@@ -173,8 +175,9 @@ def test_under_fsdp_checkpointed_and_compiled_units_train_to_the_same_weights_on
     for name, weight in plain["weights"].items():  # the plain model's names: nothing renamed by the wrapping
         assert torch.equal(ruled["weights"][name], weight), name
     audit = audit_of(ruled["reports"])
-    assert (audit["features"]["unit"], audit["features"]["checkpoint"]) == ("features", "full")
-    assert (audit["classifier"]["unit"], audit["classifier"]["compiled"]) == ("classifier", True)
+    assert (audit["features"]["checkpoint"], audit["classifier"]["compiled"]) == ("full", True)
+    if strategy == "fsdp":
+        assert (audit["features"]["unit"], audit["classifier"]["unit"]) == ("features", "classifier")
 
 
 # -- float8 only where it pays ----------------------------------------------------------------------------------
