@@ -224,6 +224,8 @@ def test_an_unknown_float8_min_size_is_bad_input_naming_the_key(tmp_path):
         job(tmp_path, precision={"float8_min_size": "small"})
 
 
+# -- the activation figure (bench.rule_checkpoint) --------------------------------------------------------------
+
 @pytest.mark.slow
 def test_under_fsdp_checkpoint_full_on_a_decoders_blocks_halves_its_activations_and_keeps_its_loss_curve():
     from bench.rule_checkpoint import LOSS_TOLERANCE, trained
