@@ -1,7 +1,9 @@
 """Rules that do more than choose a dtype: `checkpoint: full | selective` (activation checkpointing of the matched
 blocks) and `compile: true` (each matched block compiled on its own). The dtype keeps its first-match-wins meaning (a
 rule without a dtype decides none); the audit says per layer what was applied; bad rules are refused at load or in
-pre-flight, naming the key. Fast ones run the Ray-free loop in one process."""
+pre-flight, naming the key. A float8 rule leaves out the Linear layers below torchao's thresholds when asked
+(`precision.float8_min_size`). Fast ones run the Ray-free loop in one process; the slow ones train on two ranks
+(DDP, FSDP2) and measure the activation figure of `bench.rule_checkpoint`."""
 
 import pytest
 import torch
