@@ -1,5 +1,6 @@
 """Activation checkpointing by rule, measured: peak activation memory and the loss curve of the same job under FSDP2
-with and without `{match: "blocks.*", checkpoint: full}`, as ratios of one run.
+without a checkpoint rule, with `{match: "blocks.*", checkpoint: full}` and with `checkpoint: selective`, as ratios
+of one run (the target is full's: at most 0.5x; selective's is shown beside it).
 
 Both jobs train the same small causal decoder (`bench.decoder_lm`: `--layers` pre-norm blocks, each an FSDP unit)
 on the same token sequences from the same seed, on `--world-size` gloo ranks on the CPU through the Ray-free loop
@@ -56,7 +57,7 @@ def trained(rules: list, layers: int, steps: int, world_size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    cli = common.parser(HARNESS, "peak activation memory and loss curve under FSDP2: checkpoint: full vs none")
+    cli = common.parser(HARNESS, "peak activation memory and loss curve under FSDP2: checkpoint full, selective, none")
     cli.add_argument("--layers", type=int, default=None, help="decoder blocks (default 4; 2 with --smoke)")
     cli.add_argument("--steps", type=int, default=None, help="optimizer steps (default 8; 2 with --smoke)")
     cli.add_argument("--world-size", type=int, default=2, help="ranks (gloo, CPU; default 2)")
@@ -66,21 +67,28 @@ def main(argv=None) -> int:
 
     plain = trained([], layers, steps, args.world_size)
     full = trained([{"match": "blocks.*", "checkpoint": "full"}], layers, steps, args.world_size)
-    plain_bytes, full_bytes = sum(plain["activation_bytes"].values()), sum(full["activation_bytes"].values())
-    loss_gap = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(plain["losses"], full["losses"]))
-    same_curve = len(plain["losses"]) == len(full["losses"]) == steps and loss_gap <= LOSS_TOLERANCE
+    selective = trained([{"match": "blocks.*", "checkpoint": "selective"}], layers, steps, args.world_size)
+    plain_bytes, full_bytes, selective_bytes = (sum(run["activation_bytes"].values())
+                                                for run in (plain, full, selective))
+    loss_gap = max(abs(a - b) / max(abs(a), 1e-12) for run in (full, selective)
+                   for a, b in zip(plain["losses"], run["losses"]))
+    same_curve = all(len(run["losses"]) == steps for run in (plain, full, selective)) and loss_gap <= LOSS_TOLERANCE
 
     print(f"bench.rule_checkpoint: TinyDecoder ({layers} blocks), {args.world_size} gloo ranks on the CPU under FSDP2, "
           f"{steps} steps; rank 0's activations (memory ledger) and train/loss")
     common.print_table(["run", "activation MiB", "losses"], [
         ["no checkpointing", f"{plain_bytes / 2**20:.3f}", " ".join(f"{v:.5f}" for v in plain["losses"])],
-        ["checkpoint: full", f"{full_bytes / 2**20:.3f}", " ".join(f"{v:.5f}" for v in full["losses"])]])
+        ["checkpoint: full", f"{full_bytes / 2**20:.3f}", " ".join(f"{v:.5f}" for v in full["losses"])],
+        ["checkpoint: selective", f"{selective_bytes / 2**20:.3f}",
+         " ".join(f"{v:.5f}" for v in selective["losses"])]])
     print(f"largest relative loss difference: {loss_gap:.2e} (tolerance {LOSS_TOLERANCE:g}); same curve: {same_curve}")
     common.finish(HARNESS, device=common.device_description(torch.device("cpu")),
                   config={"layers": layers, "steps": steps, "world_size": args.world_size, "smoke": args.smoke},
-                  figures={"plain": plain, "checkpoint_full": full, "max_relative_loss_difference": loss_gap,
-                           "same_loss_curve": same_curve},
-                  ratios={"activation_bytes": full_bytes / plain_bytes}, targets={"activation_bytes": TARGET},
+                  figures={"plain": plain, "checkpoint_full": full, "checkpoint_selective": selective,
+                           "max_relative_loss_difference": loss_gap, "same_loss_curve": same_curve},
+                  ratios={"activation_bytes": full_bytes / plain_bytes,
+                          "selective_activation_bytes": selective_bytes / plain_bytes},
+                  targets={"activation_bytes": TARGET},
                   json_path=args.json)
     return 0 if same_curve else 1
 
