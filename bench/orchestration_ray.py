@@ -84,6 +84,7 @@ def run_ours(args, tmp: Path, index: int, steps: int) -> dict:
     from mlflow import MlflowClient
 
     from orchestrator.runner.records import read_record
+    from orchestrator.tracking.summary_values import values
 
     name = f"bench-ours-{index}-{steps}"
     job_path = tmp / f"{name}.yaml"
@@ -98,7 +99,8 @@ def run_ours(args, tmp: Path, index: int, steps: int) -> dict:
     run_id = runs[0].info.run_id
     history = sorted(client.get_metric_history(run_id, "perf/samples_per_s"), key=lambda m: m.step)
     windows = [m.value for m in history]
-    launch = client.get_run(run_id).data.metrics.get("perf/time_to_first_step_s")
+    run = client.get_run(run_id)  # a value set once is a summary tag (orchestrator.tracking.summary_values)
+    launch = values(run.data.metrics, run.data.tags).get("perf/time_to_first_step_s")
     # The run record dates submit's `launched_at` (just before Ray starts), where perf/time_to_first_step_s
     # counts from: start-up then counts from the process start, as raytrain's does.
     launched_at = read_record(job["checkpoint"]["storage_path"], name)["launched_at"]

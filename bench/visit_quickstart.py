@@ -50,6 +50,11 @@ def audit_mismatches(audit: list[dict[str, Any]]) -> list[str]:
     return broken_promises(audit)
 
 
+def _median_after_first(parts: list, key: str) -> Any:
+    values = [metrics[key] for metrics, _, _ in parts if key in metrics]
+    return statistics.median(values[1:] or values) if values else None
+
+
 def summarise(reports: list[Any]) -> dict[str, Any]:
     """The figures of a run from its reports, in order."""
     parts = [report_parts(report) for report in reports]
@@ -66,6 +71,11 @@ def summarise(reports: list[Any]) -> dict[str, Any]:
         "final": {key: last[key] for key in ("eval/accuracy", "eval/loss", "train/loss", "step") if key in last},
         # The first window holds the audited first step (and compilation, where asked): left out.
         "samples_per_s": speeds, "samples_per_s_median": statistics.median(speeds[1:] or speeds) if speeds else None,
+        # MFU and FLOPs (issue figures on the GPU): per report, the first window left out as above.
+        **{f"{key.removeprefix('perf/')}_median": _median_after_first(parts, key)
+           for key in ("perf/mfu", "perf/tflops_per_s", "perf/tokens_per_s")},
+        "time_split": [{key: metrics[key] for key in metrics if key.startswith("time/")}
+                       for metrics, _, _ in parts if "time/compute_s" in metrics],
         "loss_scale": [{"step": metrics.get("step"), **{key: metrics[key] for key in SCALE_KEYS if key in metrics}}
                        for metrics, _, _ in parts if "amp/loss_scale" in metrics],
         "loss_scale_final": {key: last[key] for key in SCALE_KEYS if key in last},
@@ -116,6 +126,7 @@ def main(argv=None) -> int:
     common.print_table(["figure", "value"], [
         ["eval/accuracy", final.get("eval/accuracy", float("nan"))],
         ["samples/s (median)", figures["samples_per_s_median"] or float("nan")],
+        ["MFU (median)", figures["mfu_median"] if figures["mfu_median"] is not None else float("nan")],
         ["memory/peak_bytes", memory.get("memory/peak_bytes", float("nan"))],
         ["amp/loss_scale", scale.get("amp/loss_scale", float("nan"))],
         ["amp/skipped_steps", scale.get("amp/skipped_steps", float("nan"))],

@@ -30,6 +30,7 @@ FILE_SECONDS = {
     "test_guardrails_e2e.py": 185,
     "test_local_ray.py": 175,
     "test_elastic_e2e.py": 170,
+    "test_lm.py": 150,
     "test_tracking_outage_e2e.py": 145,
     "test_gpu_visit.py": 140,
     "test_logged_model_e2e.py": 130,

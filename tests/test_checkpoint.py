@@ -10,10 +10,10 @@ import torch
 
 from orchestrator.runner.worker import ray_candidates, remove_own_part
 from orchestrator.train import rng
-from orchestrator.train.checkpoint import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
+from orchestrator.checkpoint.files import (STATE_FILE, CheckpointWriteError, CorruptCheckpoint, load_newest_valid,
                                            local_candidates, manifest_file, rank_file, read_checkpoint,
                                            staged_checkpoint, write_checkpoint_files)
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 
 def train_state(step: int) -> TrainState:
@@ -183,7 +183,7 @@ def test_the_newest_checkpoint_in_storage_is_resumed_from_whatever_ray_registere
 def test_staging_left_by_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path):
     import subprocess
 
-    from orchestrator.train.checkpoint import STAGING_PREFIX, remove_stale_staging
+    from orchestrator.checkpoint.files import STAGING_PREFIX, remove_stale_staging
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid now names no process
@@ -248,7 +248,7 @@ def test_a_checkpoint_written_before_reports_were_typed_loads_its_reports_conver
 STAGE_AND_DIE = """
 import os, signal
 from orchestrator.train import rng
-from orchestrator.train.checkpoint import staged_checkpoint
+from orchestrator.checkpoint.files import staged_checkpoint
 with staged_checkpoint(0, None, {"rng": rng.capture(), "window": {"loss_sum": 0.0, "samples": 0}}, step=2) as d:
     print(d, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -314,3 +314,44 @@ def test_a_rank_keeps_at_most_max_unlogged_reports_the_newest_and_drops_the_logg
     unlogged = lambda state: [kept["seq"] for kept in state.rank.hooks["replay"]["unlogged"]]  # noqa: E731
     assert unlogged(mid) == [4, 5, 6]  # 6 reports, none logged: the newest 3
     assert unlogged(end) == [8, 9]  # 7, 8 and the epoch's end (9), 7 logged
+
+
+def test_the_checkpointer_names_publishes_and_keeps_the_newest_only_once_written_whole(tmp_path):
+    from orchestrator.checkpoint.checkpointer import Checkpointer, Saved
+    from orchestrator.checkpoint.formats import FullState
+    from orchestrator.checkpoint.state import RankState
+
+    published = []
+
+    def publish(directory: Path, name: str) -> None:
+        shutil.copytree(directory, tmp_path / name)
+        published.append(name)
+
+    checkpointer = Checkpointer(lambda: local_candidates(tmp_path), attempt=7)
+    own = RankState(rng.capture(), {"loss_sum": 0.0, "samples": 0})
+    assert checkpointer.newest() is None
+    assert checkpointer.save(4, Saved.of(own, train_state(4)), FullState(0), publish) == "checkpoint_000000004_7"
+    assert checkpointer.newest() == "checkpoint_000000004_7" == published[-1]
+
+    class FullDisk(FullState):
+        def staged(self, saved, step):
+            return staged_checkpoint(self.rank, saved.shared, saved.own, step, facts=saved.facts,
+                                     save=lambda obj, path: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+
+    with pytest.raises(CheckpointWriteError, match="step 8 on rank 0.*disk is full"):
+        checkpointer.save(8, Saved.of(own, train_state(8)), FullDisk(0), publish)
+    assert checkpointer.newest() == "checkpoint_000000004_7" and published == ["checkpoint_000000004_7"]
+    state, warnings, built = checkpointer.load(lambda candidates: (*load_newest_valid(candidates, rank=0), "built"))
+    assert state.global_step == 4 and warnings == [] and built == "built"
+
+
+def test_a_checkpoints_facts_keep_the_whole_models_shapes_when_its_state_holds_no_weights():
+    from orchestrator.checkpoint.checkpointer import Saved
+    from orchestrator.checkpoint.state import RankState
+
+    own = RankState(rng.capture(), {"loss_sum": 0.0, "samples": 0})
+    sharded = train_state(2)
+    sharded.model = {}  # FSDP: the weights are in the shards
+    assert Saved.of(own, sharded, {"w": [6]}).facts["model_shapes"] == {"w": [6]}
+    assert Saved.of(own, train_state(2), {"w": [6]}).facts["model_shapes"] == {"w": [3]}
+    assert Saved.of(own).shared is None and Saved.of(own).facts is None

@@ -16,7 +16,7 @@ from orchestrator.config.workers import Workers
 from orchestrator.errors import BadInput
 from orchestrator.train.samplers import ElasticSampler
 from orchestrator.config.layout import Layout
-from orchestrator.train.resume import CheckpointFacts, IncompatibleResume, check_resume
+from orchestrator.checkpoint.resume import CheckpointFacts, IncompatibleResume, check_resume
 
 
 def job(write_job, *overrides, **sections):

@@ -175,7 +175,8 @@ def identity_scenario(rank: int, directory: Path) -> dict:
 def resume_scenario(rank: int, directory: Path) -> dict:
     """O2 (fp16 compute, fp32 shards as masters, BatchNorm units, a loss scale): 4 steps with a checkpoint after
     step 2; then a fresh model of other weights resumes from it and takes steps 3 and 4."""
-    from orchestrator.train.checkpoint import local_candidates
+    from orchestrator.checkpoint.checkpointer import Saved
+    from orchestrator.checkpoint.files import local_candidates
 
     store = directory / "checkpoints"
     overrides = ("precision.preset=O2", "precision.init_scale=1024", "precision.growth_interval=1")
@@ -184,7 +185,7 @@ def resume_scenario(rank: int, directory: Path) -> dict:
         fsdp_step(policy, strategy, model, optimizer, guard, step, rank)
         if step == 2:
             shared = {"scaler": guard.scaler.state_dict(), "global_step": step} if rank == 0 else None
-            with strategy.staged_checkpoint(optimizer, shared, {"rank": rank}, step) as staged:
+            with strategy.checkpoint_format(optimizer).staged(Saved({"rank": rank}, shared), step) as staged:
                 shutil.copytree(staged, store / "checkpoint_000000002_0", dirs_exist_ok=True)
             dist.barrier()  # as ray.train.report: every rank's part is in storage before anyone goes on
     uninterrupted = local_state(model, optimizer)

@@ -100,7 +100,7 @@ def test_submit_exits_2_before_anything_starts_when_the_units_cannot_be_planned(
 
 def test_a_checkpoint_of_the_other_strategy_is_refused_naming_both(tmp_path):
     from orchestrator.train import rng
-    from orchestrator.train.checkpoint import local_candidates, write_checkpoint_files
+    from orchestrator.checkpoint.files import local_candidates, write_checkpoint_files
     from orchestrator.train.strategy import IncompatibleStrategy, resume, written_under
 
     ddp_written = tmp_path / "run" / "checkpoint_000000004_1"
@@ -185,7 +185,7 @@ def full_checkpoint(directory: Path) -> dict:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # fills `state` itself
 
-    from orchestrator.train.sharded_checkpoint import _SafePlanner, _SafeReader
+    from orchestrator.checkpoint.sharded import _SafePlanner, _SafeReader
 
     class Planner(_SafePlanner, _EmptyStateDictLoadPlanner):
         pass

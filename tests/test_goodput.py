@@ -13,7 +13,7 @@ from orchestrator.tracking.nodes import NodeLost
 from orchestrator.tracking.time_breakdown import JSON_PATH, PNG_PATH, log_goodput
 from orchestrator.tracking.tracker import RunTracker
 from orchestrator.tracking.writer import MlflowWriter
-from orchestrator.train.report import Report
+from orchestrator.common.report import Report
 
 SUBMIT = 1_790_000_000.0
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import drill, small_job
+from orchestrator.tracking.summary_values import values
 from test_submit_e2e import only_run
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def test_an_overflow_and_a_nan_loss_are_skipped_one_backing_the_scale_off_logged
                 callbacks=[drill("NanLoss", at_step=2), drill("Overflow", at_steps=[3], layer="features.3")])
     assert rc == 0
     client, run = only_run(mlflow_uri, "telemetry")
-    run_id, metrics = run.info.run_id, run.data.metrics
+    run_id, metrics = run.info.run_id, values(run.data.metrics, run.data.tags)  # summary tags too
 
     scale = dict(history(client, run_id, "amp/loss_scale"))
     assert scale[2] == 1024.0  # no backoff for a bad loss
@@ -113,7 +114,8 @@ def test_collapse_promote_moves_the_layer_to_fp32_and_training_finishes(ray_sess
     log = artifact_json(client, run.info.run_id, "amp/overflow_log.json")
     assert log[-1] == {"step": 4, "event": "collapse", "action": "promote", "layers": ["classifier.3"],
                        "reason": "3 consecutive skipped steps (max_consecutive_skips=2)"}
-    assert run.data.metrics["memory/params_float32_bytes"] == (128 * 10 + 10) * 4  # the promoted layer, measured again
+    promoted_bytes = values(run.data.metrics, run.data.tags)["memory/params_float32_bytes"]
+    assert promoted_bytes == (128 * 10 + 10) * 4  # the promoted layer, measured again
     state = checkpoint_states(tmp_path)[-1]
     assert state["promoted"] == ["classifier.3"]
     assert {v.dtype for v in state["model"].values() if v.is_floating_point()} == {torch.float32}

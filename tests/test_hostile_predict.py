@@ -15,6 +15,7 @@ import torch
 
 from conftest import REPO, run_mains, small_job
 from test_predict import logged_tagger
+from orchestrator.errors import BadInput
 
 IMAGES = "float32 [N, 3, 32, 32]"
 """What the trained simple_cnn takes, as its logged signature says it."""
@@ -126,9 +127,9 @@ def test_inputs_the_logged_model_does_not_take_are_refused_in_one_line_before_it
 def test_an_empty_file_an_unwritable_output_and_a_missing_gpu_are_refused_before_the_model_runs(predicted):
     work, results = predicted
     one_line(results["empty"], "--data: empty.pt is empty (0 bytes)", "a tensor or a dict of tensors")
-    one_line(results["proc"], "--output: cannot write /proc/predictions.pt")
-    one_line(results["missing_dir"], "--output: cannot write missing/o.pt")
-    one_line(results["file_as_dir"], "--output: cannot write a_file/o.pt")
+    one_line(results["proc"], "--output /proc/predictions.pt: cannot write in the directory /proc")
+    one_line(results["missing_dir"], "--output missing/o.pt: the directory missing does not exist")
+    one_line(results["file_as_dir"], "--output a_file/o.pt: the directory a_file is not a directory")
     assert not (work / "missing").exists() and not any(name.startswith(".ampflow") for name in os.listdir(work))
     if not torch.cuda.is_available():
         one_line(results["cuda"], "--device cuda: this machine has no GPU")
@@ -233,3 +234,21 @@ def test_a_run_without_a_model_says_why_by_how_it_ended(runs, mlflow_uri, tmp_pa
             assert said.startswith(f"error: run {runs[name]} {says}"), said
             assert ("log_model" in said) == (name == "no_log_model"), said
     assert "--resume" in err(export.main, runs["failed"], "--dtype", "float16")
+
+
+@pytest.mark.parametrize("output, says", [
+    ("/proc/predictions.pt", "--output /proc/predictions.pt: cannot write in the directory /proc"),
+    ("missing/o.pt", "--output missing/o.pt: the directory missing does not exist"),
+    ("a_file/o.pt", "--output a_file/o.pt: the directory a_file is not a directory"),
+    (".", "--output .: is a directory; give the file to write, e.g. --output predictions.pt"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work_naming_why(output, says, tmp_path, monkeypatch):
+    """The check predict and tune make of `--output` before they load or tune anything."""
+    from orchestrator.cli.program import check_output_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(BadInput) as refused:
+        check_output_file(Path(output), "predictions.pt")
+    assert str(refused.value).startswith(says)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the probe left nothing behind

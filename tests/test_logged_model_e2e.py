@@ -25,7 +25,7 @@ def test_the_logged_model_is_the_trained_model_in_eval_mode(ray_session, tmp_pat
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
     from orchestrator.tracking.tracker import RunTracker
-    from orchestrator.train.checkpoint import read_checkpoint
+    from orchestrator.checkpoint.files import read_checkpoint
     from orchestrator.train.data import build_datasets
     from orchestrator.train.models import build_model
 
@@ -80,7 +80,7 @@ def test_with_a_score_metric_the_best_checkpoint_not_the_last_is_logged(ray_sess
 
     from orchestrator.cli.submit import main
     from orchestrator.tracking.tracker import RunTracker
-    from orchestrator.train.checkpoint import read_checkpoint
+    from orchestrator.checkpoint.files import read_checkpoint
 
     storage = tmp_path / "ray_results"
     job = write_job(small_job(precision={"preset": "O0"},

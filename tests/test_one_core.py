@@ -21,7 +21,7 @@ def test_ray_train_and_the_ray_free_loop_end_with_the_same_weights(ray_session, 
     Long: two whole trainings of two ranks each, one through Ray Train and one in processes of their own."""
     from orchestrator.cli.submit import main
     from orchestrator.config import load_job
-    from orchestrator.train.checkpoint import read_checkpoint
+    from orchestrator.checkpoint.files import read_checkpoint
     from orchestrator.train.local import spawn
 
     storage = tmp_path / "ray_results"

@@ -18,7 +18,7 @@ from orchestrator.errors import BadInput
 from orchestrator.runner.precision_lint import lint
 from orchestrator.config.optim import check
 from orchestrator.train import optim
-from orchestrator.train.checkpoint import read_checkpoint
+from orchestrator.checkpoint.files import read_checkpoint
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.models import build_model

@@ -15,12 +15,12 @@ import yaml
 from conftest import run_mains, small_job
 from orchestrator.config import load_job
 from orchestrator.runner import records
-from orchestrator.runner.checkpoints import newest, remove_unfinished
+from orchestrator.checkpoint.stored import newest, remove_unfinished
 from orchestrator.runner.preflight import preflight
 from orchestrator.train.local import LocalSession
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.config.layout import Layout, steps_per_epoch
-from orchestrator.train.resume import IncompatibleResume
+from orchestrator.checkpoint.resume import IncompatibleResume
 
 CPU = torch.device("cpu")
 RUN = "interrupted"
@@ -171,7 +171,7 @@ def test_the_driver_removes_them_after_a_failed_checkpoint_write_only():
     from ray.train import WorkerGroupError
 
     from orchestrator.runner.outcome import checkpoint_write_failed
-    from orchestrator.train.checkpoint import CheckpointWriteError
+    from orchestrator.checkpoint.files import CheckpointWriteError
 
     def failed(cause: Exception) -> WorkerGroupError:
         return WorkerGroupError("training failed", {1: RayTaskError("train_loop", "", cause).as_instanceof_cause()})

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from orchestrator.runner.checkpoints import newest as newest_complete
+from orchestrator.checkpoint.stored import newest as newest_complete
 from orchestrator.tracking.goodput import PARTS
 
 from conftest import drill, small_job
@@ -197,7 +197,7 @@ def test_a_disk_that_fills_up_during_rays_copy_leaves_no_partial_checkpoint_and_
     with ampflow's disk-full message naming the checkpoint and the space it needs, the half-written directory is
     gone, and the checkpoint of step 2 is the newest and loads."""
     from orchestrator.cli.submit import main
-    from orchestrator.train.checkpoint import load_newest_valid, local_candidates
+    from orchestrator.checkpoint.files import load_newest_valid, local_candidates
 
     job = write_job(small_job(precision={"preset": "O0"}, run={"epochs": 1, "max_steps_per_epoch": 6},
                               tracking={"uri": mlflow_uri, "experiment": "full"},

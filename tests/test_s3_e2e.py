@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.runner.checkpoints import newest
+from orchestrator.checkpoint.stored import newest
 
 from conftest import own_ray_env, small_job
 from s3_server import S3Server

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (`orchestrator.train.sharded_checkpoint`) keep the DDP checkpoints' guarantees: every file
+"""Sharded checkpoints (`orchestrator.checkpoint.sharded`) keep the DDP checkpoints' guarantees: every file
 hashed in a manifest, valid only when complete, and loading unpickles nothing. Written and read here in one process
 (DCP without a process group); the two-rank round trip and exact resume are in test_fsdp.py."""
 
@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from orchestrator.train.checkpoint import CorruptCheckpoint, local_candidates, write_checkpoint_files
-from orchestrator.train.sharded_checkpoint import (SHARDED_DIR, load_newest_valid_sharded, read_sharded_checkpoint,
+from orchestrator.checkpoint.files import CorruptCheckpoint, local_candidates, write_checkpoint_files
+from orchestrator.checkpoint.sharded import (SHARDED_DIR, load_newest_valid_sharded, read_sharded_checkpoint,
                                                    verify_sharded_checkpoint, write_sharded_checkpoint)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as meant here

@@ -7,7 +7,7 @@ import time
 import torch
 
 from orchestrator.common.report import Report
-from orchestrator.train.system import SystemSampler, start_sampler
+from orchestrator.train.system import FLOOR_S, SystemSampler, start_sampler, wait_s
 
 
 def test_a_sampler_reads_its_process_cpu_and_memory_at_the_step_the_loop_is_at():
@@ -30,6 +30,24 @@ def test_a_sampler_reads_its_process_cpu_and_memory_at_the_step_the_loop_is_at()
         assert abs(sample["t"] / 1000 - time.time()) < 60
     assert samples[-1]["step"] == 7
     assert max(s["m"]["system/rank_3/cpu_utilization_percentage"] for s in samples) > 10  # it saw the busy loop
+
+
+def test_a_short_run_is_sampled_often_enough_to_draw_a_line_and_a_long_one_at_the_configured_interval():
+    # An 11 s run under the default 10 s interval: at least 10 samples, never closer than the floor.
+    elapsed, waits = 0.0, []
+    while elapsed + wait_s(10.0, elapsed) <= 11.0:
+        waits.append(wait_s(10.0, elapsed))
+        elapsed += waits[-1]
+    assert len(waits) >= 10 and min(waits) == FLOOR_S
+    assert wait_s(10.0, 3600.0) == 10.0  # an hour in: as configured
+    assert wait_s(0.1, 0.0) == 0.1  # an interval asked below the floor is kept
+
+
+def test_a_sampler_under_the_default_interval_samples_a_two_second_rank_at_least_twice():
+    sampler = SystemSampler(rank=0, device=torch.device("cpu"), interval_s=10.0).start()
+    time.sleep(2.5)
+    sampler.stop()
+    assert len(sampler.take()) >= 2  # the first at the floor, not after 10 s
 
 
 def test_an_interval_of_zero_samples_nothing():

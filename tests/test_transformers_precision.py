@@ -112,7 +112,7 @@ def text_dir(tmp_path, monkeypatch):
 def preflight_policy(cfg):
     """Pre-flight's data and policy checks, as submit runs them before Ray starts; the first training batch."""
     from orchestrator.runner.preflight import check_data_fits_model
-    from orchestrator.runner.preflight_precision import check_policy_kept
+    from orchestrator.precision.kept import check_policy_kept
     from orchestrator.train.models import build_model
 
     model, first = build_model(cfg.model), []
@@ -143,6 +143,21 @@ def test_the_query_projection_lowered_alone_is_refused_naming_the_rule_and_the_w
     assert {entries[f"{BLOCK}.{p}"]["output_dtype"] for p in ("query", "key", "value")} == {"float16"}
 
 
+def test_under_fsdp_the_lowered_query_is_refused_as_under_ddp(text_dir, write_job):
+    """FSDP2 casts each unit's inputs to its own dtype: a query projection lowered alone splits the block there too,
+    and its pre-flight (`FsdpStrategy.check_plan`) refuses it naming the rule."""
+    from orchestrator.runner.preflight import check_data_fits_model
+    from orchestrator.train.fsdp_strategy import FsdpStrategy
+    from orchestrator.train.models import build_model
+
+    cfg = load_job(write_job({**bert_job(**QUERY_RULE), "scaling": {"num_workers": 2, "strategy": "fsdp"}}))
+    model, first = build_model(cfg.model), []
+    check_data_fits_model(cfg, model, first)
+    with pytest.raises(BadInput, match=rf"precision.rules\[0\] {{match: '{QUERY}', dtype: float16}} splits an "
+                                       "attention block"):
+        FsdpStrategy.check_plan(cfg, model, first[0])
+
+
 @pytest.mark.slow  # a fresh interpreter runs submit
 def test_submit_refuses_the_lowered_query_before_ray_starts(text_dir, write_job):
     job = write_job(bert_job(**QUERY_RULE))
@@ -155,9 +170,9 @@ def test_submit_refuses_the_lowered_query_before_ray_starts(text_dir, write_job)
 def test_the_tuner_lowers_the_attention_projections_together(text_dir, write_job):
     from orchestrator.train import task
     from orchestrator.train.models import build_model
-    from orchestrator.tune import run as tune_run
-    from orchestrator.tune.plan import options
-    from orchestrator.tune.probe import Probe
+    from orchestrator.autotune import run as tune_run
+    from orchestrator.autotune.plan import options
+    from orchestrator.autotune.probe import Probe
 
     cfg = load_job(write_job(bert_job()))
     torch.manual_seed(0)

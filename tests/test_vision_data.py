@@ -12,7 +12,7 @@ from conftest import small_job
 from orchestrator.config import load_job
 from orchestrator.errors import BadInput, DataUnavailable
 from orchestrator.runner.preflight import preflight
-from orchestrator.train.checkpoint import load_newest_valid, local_candidates
+from orchestrator.checkpoint.files import load_newest_valid, local_candidates
 from orchestrator.train.local import spawn
 
 

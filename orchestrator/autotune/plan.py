@@ -135,33 +135,75 @@ def sensitivity_table(rows: list[Option], probe: Probe, assignment: dict[str, st
     return table
 
 
-def chart(table: list[dict[str, Any]]):
-    """Each layer's output error by dtype (log axis), the chosen dtype marked, refused ones hatched."""
+def measured(value: Any) -> bool:
+    """A number the tune measured (a dtype refused before measuring has None in the JSON, NaN or inf here)."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+CHART_PANELS = (("output_error", "output error"), ("grad_error", "gradient error"), ("cost_s", "time vs fp32"))
+"""The chart's panels, top to bottom: the table's column and the axis's label."""
+
+
+def chart(table: list[dict[str, Any]], tolerance: Optional[float] = None):
+    """Each layer in each dtype: its output error, its gradient error (log axes, `tolerance` dashed) and its time
+    relative to the layer's fp32 time (linear), one bar per dtype measured; a dtype never measured (refused before, e.g.
+    float8 off a Linear layer) draws no bar. The chosen dtype outlined in black, refused ones hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     layers = list(dict.fromkeys(row["layer"] for row in table))
-    dtypes = [d for d in dict.fromkeys(row["dtype"] for row in table) if d != FP32]
-    figure, axis = plt.subplots(figsize=(max(6.0, 0.5 * len(layers) + 2), 4))
+    dtypes = list(dict.fromkeys(row["dtype"] for row in table))
+    cells = {(row["layer"], row["dtype"]): row for row in table}
+    figure, axes = plt.subplots(len(CHART_PANELS), 1, sharex=True,
+                                figsize=(max(7.0, 0.6 * len(layers) * len(dtypes) / 2 + 3), 8))
     width = 0.8 / max(len(dtypes), 1)
-    for index, dtype in enumerate(dtypes):
-        rows = {row["layer"]: row for row in table if row["dtype"] == dtype}
-        xs = [i + index * width for i in range(len(layers))]
-        values = [max(rows[layer]["output_error"], 1e-9) if math.isfinite(rows[layer]["output_error"]) else 1.0
-                  for layer in layers]
-        bars = axis.bar(xs, values, width, label=dtype)
-        for bar, layer in zip(bars, layers):
-            if not rows[layer]["allowed"]:
-                bar.set_hatch("//")
-            if rows[layer]["chosen"]:
-                bar.set_edgecolor("black")
-                bar.set_linewidth(2)
-    axis.set_yscale("log")
-    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(layers))], layers, rotation=60, ha="right", fontsize=8)
-    axis.set_ylabel("output error with the layer alone lowered")
-    axis.set_title("Per-layer sensitivity (outlined: chosen; hatched: refused)")
-    axis.legend()
-    figure.tight_layout()
+    colours = {dtype: f"C{index}" for index, dtype in enumerate(dtypes)}
+    for axis, (column, label) in zip(axes, CHART_PANELS):
+        shown = [d for d in dtypes if d != FP32] if column != "cost_s" else dtypes  # fp32's errors are 0
+        for dtype in shown:
+            offset = dtypes.index(dtype) * width
+            xs, heights, rows = [], [], []
+            for i, layer in enumerate(layers):
+                row = cells.get((layer, dtype))
+                value = row.get(column) if row is not None else None
+                if column == "cost_s":
+                    base = (cells.get((layer, FP32)) or {}).get("cost_s")
+                    value = value / base if measured(value) and measured(base) and base > 0 else None
+                if not measured(value):
+                    continue  # never measured: no bar
+                xs.append(i + offset)
+                heights.append(max(value, 1e-9))
+                rows.append(row)
+            if not xs:
+                continue
+            bars = axis.bar(xs, heights, width, color=colours[dtype])
+            for bar, row in zip(bars, rows):
+                bar.set_gid(f"{row['layer']}|{dtype}|{column}")
+                if not row["allowed"]:
+                    bar.set_hatch("//")
+                if row["chosen"]:
+                    bar.set_edgecolor("black")
+                    bar.set_linewidth(2)
+        axis.set_ylabel(label)
+        if column == "cost_s":  # a ratio to fp32's time: linear, from 0
+            axis.axhline(1.0, color="grey", linewidth=0.8)
+            axis.set_ylim(bottom=0)
+            continue
+        axis.set_yscale("log")
+        if tolerance is not None:
+            axis.axhline(tolerance, color="red", linestyle="--", linewidth=1)
+    axes[-1].set_xticks([i + (len(dtypes) - 1) * width / 2 for i in range(len(layers))], layers, rotation=60,
+                        ha="right", fontsize=8)
+    figure.suptitle("Per-layer sensitivity, each layer alone lowered (outlined: chosen; hatched: refused; "
+                    "no bar: not measured)", fontsize=10)
+    handles = [Patch(color=colours[dtype], label=dtype) for dtype in dtypes]
+    if tolerance is not None:
+        handles.append(Line2D([], [], color="red", linestyle="--", label=f"tune.tolerance {tolerance:g}"))
+    figure.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=len(handles), fontsize=8,
+                  frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
     return figure

@@ -170,5 +170,18 @@ def tuned_job(job_path: Path, overrides: list[str], precision: dict[str, Any]) -
     return yaml.safe_dump(data, sort_keys=False)
 
 
+TUNE_RUN_TAG = "tune_run_id"
+"""The tag (`tracking.tags`) a tuned job gives its runs: the id of the tune run that chose its policy."""
+
+
+def linked_job(text: str, tune_run_id: str) -> str:
+    """The tuned job's text (its header comment kept) with `tracking.tags.tune_run_id` set to the tune's run."""
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    data = yaml.safe_load(text)
+    tracking = data.setdefault("tracking", {}) or {}
+    data["tracking"] = {**tracking, "tags": {**(tracking.get("tags") or {}), TUNE_RUN_TAG: tune_run_id}}
+    return header + yaml.safe_dump(data, sort_keys=False)
+
+
 def finite(value: float) -> Optional[float]:
     return value if math.isfinite(value) else None

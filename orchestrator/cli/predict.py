@@ -2,16 +2,14 @@
 the precision it was trained or exported in, written to a file. The logic is `orchestrator.runner.predict`."""
 
 import argparse
-import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from orchestrator.cli.program import refused
+from orchestrator.cli.program import check_output_file, refused
 from orchestrator.errors import EXIT_OK, BadInput, command_exit
 from orchestrator.tracking.secrets import install_console_redaction
 from orchestrator.tracking.tracker import quick_http_failures
@@ -61,24 +59,6 @@ def batches(inputs: Any, batch_size: int) -> Iterator[Any]:
             yield {key: value[start:start + batch_size] for key, value in inputs.items()}
 
 
-def check_writable(path: Path) -> None:
-    """`--output` must be a file this process can write, in a directory it can write in: found before the model
-    loads and runs. Probed with a temporary file in the directory, removed at once (nothing is left behind)."""
-    if path.is_dir():
-        raise BadInput(f"--output: {path} is a directory; give a .pt or .npy file in it.")
-    directory = path.parent
-    try:
-        if not directory.is_dir():
-            raise FileNotFoundError(2, "no such directory" if not directory.exists() else "not a directory")
-        with tempfile.TemporaryFile(dir=directory, prefix=".ampflow-write-check-"):
-            pass
-        if path.exists() and not os.access(path, os.W_OK):
-            raise PermissionError(13, f"{path.name} cannot be written")
-    except OSError as exc:
-        raise BadInput(f"--output: cannot write {path} in {directory} ({exc.strerror or exc}); give a file in a "
-                       "directory you can write in.") from None
-
-
 def write_outputs(outputs: Any, path: Path) -> str:
     """Write the outputs (`.pt`: as they are, loadable weights-only; `.npy`: a tensor, bfloat16 as float32);
     returns what was written, in words."""
@@ -113,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput(f"--output: {args.output} must end in {' or '.join(OUTPUTS)}.")
         if args.batch_size < 1:
             raise BadInput(f"--batch-size: must be >= 1, got {args.batch_size}.")
-        check_writable(args.output)
+        check_output_file(args.output, "predictions.pt")
         data = args.data if args.data == "eval" else batches(read_inputs(Path(args.data)), args.batch_size)
         from orchestrator.runner.predict import load  # it imports mlflow (seconds): --help and bad flags exit first
         predictor = load(args.model, args.tracking_uri, args.device)

@@ -4,12 +4,13 @@ interrupt said in one line with the exit code it ends with."""
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
 from orchestrator.config import reference
-from orchestrator.errors import EXIT_BAD_INPUT, Interrupted
+from orchestrator.errors import EXIT_BAD_INPUT, BadInput, Interrupted
 from orchestrator.tracking.secrets import redact
 
 
@@ -37,3 +38,26 @@ def interrupted(exc: BaseException) -> int:
     stopped = Interrupted.of(exc)
     print(f"\n{stopped.describe()}", file=sys.stderr)
     return stopped.exit_code
+
+
+def check_output_file(output: Path, example: str) -> None:
+    """`--output` before any work: a file (not a directory) that can be written, in a directory that exists and can
+    be written in (probed with a temporary file, removed at once). BadInput naming `--output` otherwise; `example`:
+    a file name the message suggests in place of a directory."""
+    if output.is_dir():
+        raise BadInput(f"--output {output}: is a directory; give the file to write, e.g. --output {output / example}.")
+    directory = output.parent
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise BadInput(f"--output {output}: the directory {directory} {what}; create it or write elsewhere.")
+    if output.exists():
+        try:
+            open(output, "a").close()  # opened for writing, nothing written
+        except OSError as exc:
+            raise BadInput(f"--output {output}: cannot be written ({exc.strerror or exc}); write elsewhere.") from None
+        return
+    try:
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".ampflow-write-check-").close()  # created, then removed
+    except OSError as exc:
+        raise BadInput(f"--output {output}: cannot write in the directory {directory} ({exc.strerror or exc}); "
+                       "write elsewhere.") from None

@@ -11,12 +11,11 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 from orchestrator import console
-from orchestrator.cli.program import prog, refused
+from orchestrator.cli.program import check_output_file, prog, refused
 from orchestrator.config.loader import load_job
 from orchestrator.errors import EXIT_FAILED, EXIT_OK, BadInput, command_exit
 from orchestrator.tracking.secrets import install_console_redaction, redact, remember_secrets
@@ -68,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if uri is None:
         return EXIT_OK
     try:
-        run_id, hint = log_tune(uri, cfg, args.job, result, text)
+        run_id, hint = log_tune(uri, cfg, args.job, result, text, args.output)
     except Exception as exc:  # answered at the start, not now: one line, not MLflow's traceback
         detail = (str(exc).splitlines() or [""])[0]
         print(f"{'error' if cfg.tracking.required else 'warning'}: the tuned job is written to {args.output}, but "
@@ -80,28 +79,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def check_output(output: Path, job: Path, force: bool) -> None:
-    """`--output` before any work: a file (not a directory) that can be written, in a directory that exists and
-    can be written, and not the job file itself unless `--force`. BadInput naming `--output` otherwise."""
-    if output.is_dir():
-        raise BadInput(f"--output {output}: is a directory; give the file to write, e.g. "
-                       f"--output {output / 'tuned.yaml'}.")
-    directory = output.parent
-    if not directory.is_dir():
-        raise BadInput(f"--output {output}: the directory {directory} does not exist; create it or write elsewhere.")
-    if output.exists():
-        if os.path.samefile(output, job) and not force:
-            raise BadInput(f"--output {output} is the job file {job}: the tuned job would replace it. Write it "
-                           "elsewhere, or add --force to replace the job file.")
-        try:
-            open(output, "a").close()  # opened for writing, nothing written
-        except OSError as exc:
-            raise BadInput(f"--output {output}: cannot be written ({exc.strerror or exc}); write elsewhere.") from None
-        return
-    try:
-        tempfile.NamedTemporaryFile(dir=directory, prefix=".ampflow-tune-").close()  # created, then removed
-    except OSError as exc:
-        raise BadInput(f"--output {output}: cannot write in the directory {directory} ({exc.strerror or exc}); "
-                       "write elsewhere.") from None
+    """`--output` before any work: a file that can be written (`check_output_file`), and not the job file itself
+    unless `--force`. BadInput naming `--output` otherwise."""
+    if output.exists() and not output.is_dir() and os.path.samefile(output, job) and not force:
+        raise BadInput(f"--output {output} is the job file {job}: the tuned job would replace it. Write it "
+                       "elsewhere, or add --force to replace the job file.")
+    check_output_file(output, "tuned.yaml")
 
 
 def tracking_store(cfg) -> Optional[str]:

@@ -57,6 +57,12 @@ class Report:
         wire["replay"] = [report.to_wire() for report in self.replay]
         return json.loads(json.dumps(wire, default=float))  # tensors and numpy scalars become numbers
 
+    def metrics_only(self) -> dict[str, Any]:
+        """Its place in the run and its metrics, in wire form: what a checkpoint keeps of the report made with it
+        (sent again on resume, logged once)."""
+        return Report(seq=self.seq, step=self.step, epoch=self.epoch, epochs=self.epochs,
+                      total_steps=self.total_steps, metrics=self.metrics).to_wire()
+
     @classmethod
     def from_wire(cls, wire: Mapping[str, Any]) -> "Report":
         known = {f.name for f in fields(cls)}

@@ -31,16 +31,28 @@ def map_tensors(function: Callable[[torch.Tensor], torch.Tensor], value: Any) ->
     return value
 
 
+PLAIN_SCALARS = (bool, int, float, str)
+
+
+def _kept(item: Any) -> bool:
+    """Whether a part of a model's outputs is kept by `plain`: tensors, containers and scalars are; None and objects
+    of other types (a Hugging Face `DynamicCache` of past keys and values, which a prediction has no use for and
+    no loader knows) are not."""
+    return isinstance(item, (torch.Tensor, Mapping, list, tuple, *PLAIN_SCALARS)) or \
+        (dataclasses.is_dataclass(item) and not isinstance(item, type))
+
+
 def plain(value: Any) -> Any:
     """`value` in types any loader knows: a mapping or a dataclass (a Hugging Face `ModelOutput`) as a dict of its
-    parts that are not None, a named tuple as a tuple, nested; tensors as they are. What the logged and exported
-    models return, so that loading them needs no third-party import."""
+    parts that are tensors, containers or scalars (None and other objects, a cache of past keys and values, left
+    out), a named tuple as a tuple, nested; tensors as they are. What the logged and exported models return, so
+    that loading them needs no third-party import."""
     if isinstance(value, torch.Tensor):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, Mapping):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(key): plain(item) for key, item in value.items() if item is not None}
+        return {str(key): plain(item) for key, item in value.items() if _kept(item)}
     if isinstance(value, (list, tuple)):
         items = [plain(item) for item in value]
         return items if isinstance(value, list) else tuple(items)

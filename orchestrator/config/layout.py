@@ -1,6 +1,6 @@
 """How a run walks its data (`Layout`): world size, batch size, micro-batches per step, training samples, steps per
 epoch, epochs, total steps, the schedule. The step arithmetic the driver (`orchestrator.runner.preflight`) and
-each worker (`orchestrator.train.loop`) both do; a checkpoint records it (`orchestrator.train.resume`)."""
+each worker (`orchestrator.train.loop`) both do; a checkpoint records it (`orchestrator.checkpoint.resume`)."""
 
 import math
 from dataclasses import asdict, dataclass, field

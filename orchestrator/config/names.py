@@ -11,10 +11,10 @@ import re
 from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.errors import BadInput
 
-MODELS = ("simple_cnn", "resnet18", "three_conv")
+MODELS = ("simple_cnn", "resnet18", "three_conv", "transformer_lm")
 """Built-in models (`model.name`)."""
 
-DATASETS = ("cifar10", "digits", "synthetic")
+DATASETS = ("cifar10", "digits", "synthetic", "lm_text")
 """Built-in datasets with recipes of their own (`data.name`)."""
 
 TORCHVISION_SPLIT_BY = {
@@ -27,11 +27,15 @@ TORCHVISION_DATASETS = (*TORCHVISION_SPLIT_BY, IMAGE_FOLDER)
 
 CLASSIFICATION_LOSSES = ("cross_entropy",)
 """Losses whose outputs are class scores, so accuracy means something."""
-LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits", "model")
+NEXT_TOKEN_LOSS = "next_token"
+"""A causal language model's loss: the logits at each position against the next token's label (ignoring -100)."""
+LOSSES = (*CLASSIFICATION_LOSSES, "mse", "bce_with_logits", "model", NEXT_TOKEN_LOSS)
 """Built-in losses; `model`: the loss the model returns."""
-METRICS = ("accuracy", "top5", "token_accuracy")
-"""Built-in metrics: class scores, integer targets. `accuracy`, `top5`: one prediction per sample (outputs N x classes);
-`token_accuracy`: one per token (outputs N x tokens x classes, targets N x tokens, `-100` ignored)."""
+CLASS_SCORE_METRICS = ("accuracy", "top5", "token_accuracy")
+"""Built-in metrics of class scores against integer targets. `accuracy`, `top5`: one prediction per sample (outputs
+N x classes); `token_accuracy`: one per token (outputs N x tokens x classes, targets N x tokens, `-100` ignored)."""
+METRICS = (*CLASS_SCORE_METRICS, "perplexity")
+"""Built-in metrics; `perplexity`: exp of the evaluation's mean loss (a token-level cross-entropy)."""
 
 
 def check_model_name(name: str, where: str = "model.name") -> None:
@@ -96,7 +100,14 @@ def check_metric(spec, where: str, loss: str) -> None:
             raise BadInput(f"{where}.name: unknown metric '{name}'. Use {', '.join(METRICS)}, an import path "
                            "'mypackage.metrics:my_metric' to a function (outputs, targets) -> {name: (sum, count)}, "
                            "or a torchmetrics Metric class ('torchmetrics.classification:MulticlassF1Score').")
-        if loss in ("mse", "bce_with_logits"):
+        if name == "perplexity" and loss in ("mse", "bce_with_logits"):
+            raise BadInput(f"{where}: 'perplexity' is exp of a cross-entropy loss, but task.loss is '{loss}'. Drop "
+                           "it from task.metrics.")
+        if name in CLASS_SCORE_METRICS and loss == NEXT_TOKEN_LOSS:
+            raise BadInput(f"{where}: '{name}' scores each sample or token against its own target, but task.loss "
+                           f"'{loss}' predicts each position's next token (the targets are the input ids). Use "
+                           "task.metrics: [perplexity], or a metric of your own by import path.")
+        if name in CLASS_SCORE_METRICS and loss in ("mse", "bce_with_logits"):
             raise BadInput(f"{where}: '{name}' needs class scores, but task.loss is '{loss}'. Drop it from "
                            "task.metrics (e.g. task.metrics=[]) or give a metric of your own by import path.")
         target = None

@@ -28,11 +28,7 @@ def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any, polic
         return
     trial = copy.deepcopy(model).cpu()
     plans = plan(trial, policy)
-    try:
-        groups = meeting_groups(trial, batch.forward)
-    except Exception:  # a forward the trace cannot follow (tensor subclasses): the workers' own call still refuses
-        groups = []
-    check_attention_kept(cfg, policy, plans, groups)
+    check_attention_blocks(cfg, trial, batch, policy, plans)
     apply(trial, policy, plans, CPU)
     audit = Audit(trial, policy, plans)
     try:
@@ -57,6 +53,20 @@ def check_policy_kept(cfg: DictConfig, model: torch.nn.Module, batch: Any, polic
     preset = cfg.precision.preset or "the precision section"
     raise BadInput(f"precision: {preset} cannot be kept on model.name {cfg.model.name}: "
                    f"{'; '.join(problems)}.{hint}")
+
+
+def check_attention_blocks(cfg: DictConfig, model: torch.nn.Module, batch: Any, policy: Policy,
+                           plans: Optional[dict] = None) -> None:
+    """BadInput naming the rule that would split an attention block (`check_attention_kept`), found by following
+    `batch` through `model` in fp32 (`meeting_groups`); the DDP and the FSDP2 strategies' pre-flight both ask."""
+    plans = plans if plans is not None else plan(model, policy)
+    if not policy.autocast and len({layer.param_dtype for layer in plans.values()}) < 2:
+        return  # every layer stores and computes in one dtype: no block can be split
+    try:
+        groups = meeting_groups(model, batch.forward)
+    except Exception:  # a forward the trace cannot follow (tensor subclasses): the workers' own call still refuses
+        groups = []
+    check_attention_kept(cfg, policy, plans, groups)
 
 
 def check_attention_kept(cfg: DictConfig, policy: Policy, plans: dict, groups: list[MeetingGroup]) -> None:

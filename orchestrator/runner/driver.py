@@ -33,7 +33,7 @@ from orchestrator.runner.ray_start import server_listens, start_ray
 from orchestrator.tracking.progress import ConsoleProgress
 from orchestrator.tracking.secrets import install_console_redaction, redact
 from orchestrator.tracking.tracker import (
-    RunTracker, TrackingUnavailable, quick_http_failures, resolve_uri, standard_tags,
+    RunTracker, TrackingUnavailable, policy_tags, quick_http_failures, resolve_uri, standard_tags,
 )
 
 logger = logging.getLogger("ampflow.runner")
@@ -45,8 +45,9 @@ the command must end within `errors.INTERRUPT_DEADLINE_S`."""
 
 def _start_run(cfg: DictConfig, job_path: Path, uri: str, run_name: str, parent_run_id: Optional[str] = None,
                datasets: Sequence = ()):
-    tags = {**standard_tags(job_path, Path.cwd()),
+    tags = {**{str(k): str(v) for k, v in cfg.tracking.tags.items()}, **standard_tags(job_path, Path.cwd()),
             "preset": str(cfg.precision.preset or "custom"), "compute_dtype": cfg.precision.compute_dtype,
+            **policy_tags(cfg.precision),
             "world_size": str(Job.of(cfg).workers), "device": "cuda" if cfg.scaling.use_gpu else "cpu",
             "job_file": str(job_path), "ray_run_name": run_name}
     if "mlflow.source.git.commit" in tags:
@@ -83,7 +84,7 @@ def record_precision_change(tracker, cfg: DictConfig, resumed_from) -> None:
                     "compute_dtype": cfg.precision.compute_dtype})
     tracker.log_params({f"from_step_{first}/{key}": value for key, value in changed.items()})
     tracker.set_tags({"preset": history[-1]["preset"], "compute_dtype": cfg.precision.compute_dtype,
-                      "precision_history": json.dumps(history)})
+                      "precision_history": json.dumps(history), **policy_tags(cfg.precision)})
     print(f"warning: --resume: the precision section differs from the one run {tracker.run_id} trained with "
           f"({', '.join(f'{key}: {before.get(key)} -> {value}' for key, value in sorted(changed.items()))}); "
           f"recorded on the run from step {first}.", file=sys.stderr)

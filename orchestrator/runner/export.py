@@ -25,7 +25,7 @@ from orchestrator.train.batch import Batches, BatchLayout, InputExample
 from orchestrator.train.data import build_datasets, collate_fn
 from orchestrator.train.models import build_model
 from orchestrator.common.modes import eval_mode
-from orchestrator.train.task import SummedMetric, build_metrics, fp32
+from orchestrator.train.task import SummedMetric, TorchMetric, build_metrics, fp32
 
 EXPORT_DTYPES = ("float16", "bfloat16")
 
@@ -98,7 +98,7 @@ def accuracy(model: nn.Module, batches, device: torch.device, task) -> float:
         if isinstance(metric, SummedMetric):
             values.update({name: float(total) / max(float(count), 1.0)
                            for name, (total, count) in sorted(metric.sums.items())})
-        else:
+        elif isinstance(metric, TorchMetric):
             values.update(metric.compute())
     if not values:
         raise BadInput("export: the job's task.metrics give no value to check the export by; add 'accuracy'.")

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from orchestrator.errors import EXIT_FAILED, EXIT_OK
 from orchestrator.precision import PolicyNotHonoured
 from orchestrator.runner import outputs, stalls
-from orchestrator.runner.checkpoints import newest_finite, remove_unfinished
+from orchestrator.checkpoint.stored import newest_finite, remove_unfinished
 from orchestrator.runner.records import storage_uri
 from orchestrator.runner.plan import RunPlan, RunResult
 from orchestrator.runner.run_end import RunEnd
@@ -22,7 +22,7 @@ from orchestrator.tracking.secrets import redact
 from orchestrator.tracking.tables import audit_summary, audit_summary_html
 from orchestrator.tracking.time_breakdown import log_goodput
 from orchestrator.tracking.tracker import view_hint
-from orchestrator.train.checkpoint import CheckpointWriteError
+from orchestrator.checkpoint.files import CheckpointWriteError
 from orchestrator.common.report import Report
 
 

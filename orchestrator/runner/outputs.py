@@ -52,10 +52,30 @@ def log_trained_model(cfg: DictConfig, checkpoint, tracker, module_sources: Sequ
         inputs.output = cfg.task.output
         model_format = tracker.log_model(model, inputs, code_paths=[str(source) for source in module_sources] or None)
         tracker.set_tag("model_format", model_format)
-        return f"runs:/{tracker.run_id}/model"
     except Exception as exc:
         print(f"warning: could not log the model to MLflow: {exc}", file=sys.stderr)
         return None
+    try:
+        best = tracker.tags().get("best_checkpoint_step")
+        tracker.describe_model("model", int(best) if best else None, model_tags(cfg, model_format))
+    except Exception as exc:  # the model is logged; only its page says less
+        print(f"warning: could not link the run's metrics and datasets to its logged model: {exc}", file=sys.stderr)
+    return f"runs:/{tracker.run_id}/model"
+
+
+MODEL_DESCRIPTION = "mlflow.note.content"
+"""The tag MLflow's UI shows as a logged model's (or a run's) description."""
+
+
+def model_tags(cfg: DictConfig, model_format: str) -> dict[str, str]:
+    """What the logged model is, on its page: the job's model, its fp32 weights, the policy it trained under, and
+    the same in words as the page's description (MLflow's `mlflow.note.content`, shown first)."""
+    rules = ", ".join(f"{rule.match}={rule.dtype}" for rule in cfg.precision.rules)
+    policy = cfg.precision.preset or f"custom (compute {cfg.precision.compute_dtype}{'; ' + rules if rules else ''})"
+    return {"model": str(cfg.model.name), "weights": "float32, eval mode", "trained_with": policy,
+            "format": model_format,
+            MODEL_DESCRIPTION: f"{cfg.model.name} as trained, its weights in float32 and in eval mode "
+                               f"({model_format}); trained with the precision policy {policy}."}
 
 
 def chosen_checkpoint(cfg: DictConfig, result, tracker):

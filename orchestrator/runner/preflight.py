@@ -5,7 +5,7 @@ In order: the data can be had, the model builds (on the CPU here) and takes the 
 also describes the data for the run's MLflow dataset inputs), the optimizer and schedule (built on it), the
 precision lint, the FSDP units (`scaling.strategy: fsdp`), this machine can hold the workers, and which run
 it is (a new name that is not taken, or the interrupted run `--resume` continues, checked against its newest
-checkpoint: `orchestrator.train.resume`). The config itself was checked when it was loaded.
+checkpoint: `orchestrator.checkpoint.resume`). The config itself was checked when it was loaded.
 A sweep passes one config per point of its grid: each is checked, what its points share once (the model
 and data once per distinct model, data and task sections, the capacity once per scaling section). A job
 for a remote job server skips what the cluster checks itself: its data, its capacity and its storage.
@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from orchestrator.config.job import Job
 from orchestrator.errors import BadInput
 from orchestrator.runner import records
-from orchestrator.runner.checkpoints import newest
+from orchestrator.checkpoint.stored import newest
 from orchestrator.runner.remote import is_job_server_address
 from orchestrator.tracking.lineage import describe as describe_lineage
 from orchestrator.common.values import describe as describe_value, prediction
@@ -39,9 +39,9 @@ from orchestrator.runner.precision_lint import lint
 from orchestrator.train.models import build_model
 from orchestrator.common.modes import eval_mode
 from orchestrator.train.optim import check_on_model
-from orchestrator.train.resume import check_model, check_resume
+from orchestrator.checkpoint.resume import check_model, check_resume
 from orchestrator.train.strategy import check_plan
-from orchestrator.train.task import MODEL_LOSS_HINT, SummedMetric, build_loss, build_metric, fp32, model_loss_of
+from orchestrator.train.task import MODEL_LOSS_HINT, Perplexity, SummedMetric, build_loss, build_metric, fp32, model_loss_of
 
 
 @dataclass
@@ -160,6 +160,7 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
             if refusal is not None:
                 raise BadInput(f"data.loader: device holds (inputs, targets) tensors on the device; data.name "
                                f"{cfg.data.name}'s {split} set is {refusal}. Use data.loader: dataloader.")
+    check_vocabulary(cfg, train, model)
     batch = first_batch(cfg, train, "training")
     if first is not None:
         first.append(batch)
@@ -176,7 +177,7 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
                            f"`{batch.labels}` ({type(exc).__name__}: {str(exc)[:300]}), so it cannot return its own "
                            f"loss. task.loss: model is for a model called as model(inputs, {batch.labels}=targets) "
                            "that returns its loss (as Hugging Face models do); for this model name a loss: "
-                           "cross_entropy, mse, bce_with_logits or your own package.module:fn.") from None
+                           "cross_entropy, mse, bce_with_logits, next_token or your own package.module:fn.") from None
         raise BadInput(f"data.name: {cfg.data.name} gives {given}, which model.name {cfg.model.name} cannot take "
                        f"({type(exc).__name__}: {str(exc)[:300]}). Use a model for this input (e.g. model.kwargs), "
                        "transform the data (data.transforms), or name the model's inputs (task.inputs).") from None
@@ -188,6 +189,17 @@ def check_data_fits_model(cfg: DictConfig, model, first: Optional[list] = None) 
                        f"data {cfg.data.name} has {len(classes)} classes. Set model.num_classes={len(classes)}.")
     lineage = describe_data(cfg, (train, evaluation), (batch, eval_batch))
     return lineage, evaluated_metrics(cfg, outputs, batch.targets, describe_value(outputs))
+
+
+def check_vocabulary(cfg: DictConfig, train, model) -> None:
+    """Token ids the model's token embedding (its first `nn.Embedding`) has no row for are refused naming both
+    sizes, for a dataset that says its vocabulary (`lm_text`'s `vocab_size`), rather than as an IndexError."""
+    vocabulary = getattr(train, "vocab_size", None)
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if isinstance(vocabulary, int) and embedding is not None and embedding.num_embeddings < vocabulary:
+        raise BadInput(f"model.kwargs: model {cfg.model.name}'s token embedding has {embedding.num_embeddings} rows, "
+                       f"but data {cfg.data.name} has a vocabulary of {vocabulary} tokens. Set the model's "
+                       f"vocab_size (model.kwargs) to at least {vocabulary}.")
 
 
 def _takes_inputs_alone(model, batch) -> bool:
@@ -225,7 +237,8 @@ def evaluated_metrics(cfg: DictConfig, outputs, targets, described: str = "") ->
         try:
             metric.reset(torch.device("cpu"))
             metric.update(fp32(outputs), targets)
-            computed = metric.sums if isinstance(metric, SummedMetric) else metric.compute()
+            computed = metric.sums if isinstance(metric, SummedMetric) else \
+                metric.of_loss(0.0) if isinstance(metric, Perplexity) else metric.compute()
         except Exception as exc:
             raise refuse(f"task.metrics[{index}]", spec.name, exc) from None
         names.update(f"eval/{key}" for key in computed)
@@ -295,7 +308,7 @@ def choose_run(cfg: DictConfig, job_path: Path, resume: bool, *, model=None,
 def check_resume_against_run(cfg: DictConfig, run_name: str, model, train_samples: int):
     """The job against the newest checkpoint of the run it resumes, read from storage before Ray starts:
     IncompatibleResume (exit 2) naming the key and both values when the checkpoint cannot go on under it
-    (`orchestrator.train.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
+    (`orchestrator.checkpoint.resume.check_resume`). Returns the checkpoint's facts (None without a checkpoint, or
     for one written before checkpoints recorded them, on a storage URI: then only the workers check)."""
     stored = newest(cfg.checkpoint.storage_path, run_name)
     if stored is None:

@@ -14,16 +14,13 @@ from typing import Any, Optional
 
 from pyarrow import fs
 
+from orchestrator.checkpoint.stored import _filesystem
 from orchestrator.errors import BadInput
 from orchestrator.tracking.refusals import describe
 
 RECORD = "ampflow_run.json"
 LOGGED = "ampflow_logged.json"
 """`{"seq": N}`: the driver's MLflow writer has logged every report up to report N (workers read it)."""
-
-
-def _filesystem(storage_path: str):
-    return fs.FileSystem.from_uri(storage_path) if "://" in storage_path else (fs.LocalFileSystem(), storage_path)
 
 
 def storage_uri(storage_path: Optional[str], path) -> str:

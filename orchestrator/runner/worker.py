@@ -15,11 +15,10 @@ from typing import Any, Optional
 import ray.train
 import ray.train.torch
 from omegaconf import OmegaConf
-from pyarrow import fs
 
 from orchestrator.runner import records
 from orchestrator.tracking.relay import forwarded_output
-from orchestrator.train.checkpoint import Candidate, directory_size, write_failure
+from orchestrator.checkpoint.files import Candidate, checkpoint_names, directory_size, write_failure
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.ddp import ddp_kwargs, register_comm_hook
 
@@ -64,7 +63,7 @@ def remove_own_part(filesystem, target: str, staged: Path) -> None:
     """Remove what this rank was copying into the checkpoint directory `target` (the files of its staged checkpoint
     `staged`), never the directory: a peer may still be copying its own part into it, and would then fail on a
     directory gone (a collateral error that hides the cause) instead of on its own write. What peers leave behind is
-    removed by the driver once every worker is gone (`orchestrator.runner.checkpoints.remove_unfinished`); a resume
+    removed by the driver once every worker is gone (`orchestrator.checkpoint.stored.remove_unfinished`); a resume
     skips an incomplete checkpoint meanwhile."""
     for path in staged.rglob("*"):
         if path.is_file():
@@ -82,10 +81,8 @@ def ray_candidates(filesystem, run_dir: str) -> list[Candidate]:
     or at none. Each rank's manifest vouches for a directory as for any other, and resuming from the
     newest complete one loses the fewest steps.
     """
-    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
-    names = sorted((i.base_name for i in infos if i.type == fs.FileType.Directory
-                    and i.base_name.startswith("checkpoint_")), reverse=True)
-    checkpoints = [ray.train.Checkpoint(path=f"{run_dir}/{name}", filesystem=filesystem) for name in names]
+    checkpoints = [ray.train.Checkpoint(path=f"{run_dir}/{name}", filesystem=filesystem)
+                   for name in checkpoint_names(filesystem, run_dir)]
     return [(c.path, c.as_directory) for c in checkpoints]
 
 

@@ -142,7 +142,7 @@ class RunClock:
     # -- what the driver sees --------------------------------------------------------------------------
 
     def report(self, report) -> None:
-        """A report (`orchestrator.train.report.Report`) as the relay handed it over; its `at` is when rank 0
+        """A report (`orchestrator.common.report.Report`) as the relay handed it over; its `at` is when rank 0
         made it (the driver's clock when it has none)."""
         at = report.at if report.at is not None else time.time()
         resumed = report.tags.get("resumed_from_step")

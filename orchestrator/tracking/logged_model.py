@@ -10,6 +10,7 @@ in the model's code) that takes one array or a dict of named arrays and calls th
 inputs that the model does not take before it runs.
 """
 
+import contextlib
 import inspect
 import logging
 import os
@@ -17,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -47,8 +48,8 @@ class ModelInputs:
 
     @classmethod
     def from_example(cls, model: torch.nn.Module, example: dict[str, Any]) -> "ModelInputs":
-        """From an `orchestrator.train.batch.InputExample` state: named inputs bound to the forward's parameters,
-        so the whole call is positional where the forward allows it."""
+        """From an `orchestrator.train.batch.InputExample` state: named inputs bound to the forward's parameters by
+        name, in its order; those that fill its first parameters are called positionally, the rest by keyword."""
         positional, named = list(example.get("positional", [])), dict(example.get("named", {}))
         variable = example.get("variable", {})
         if not positional and not named:
@@ -56,16 +57,24 @@ class ModelInputs:
         dims = {**{str(i): variable.get(str(i), []) for i in range(len(positional))},
                 **{name: variable.get(name, []) for name in named}}
         try:
+            parameters = list(inspect.signature(model.forward).parameters.values())
             bound = inspect.signature(model.forward).bind(*positional, **named)
-            kinds = {p.name: p.kind for p in inspect.signature(model.forward).parameters.values()}
-            flat = all(kinds[name] in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                       for name in bound.arguments)
         except (TypeError, ValueError):
-            bound, flat = None, False
-        if flat:
+            bound = None
+        varying = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        if bound is not None and not any(p.kind in varying and p.name in bound.arguments for p in parameters):
+            # Every input bound to a parameter by its name, in the forward's order; the leading ones that fill its
+            # first parameters are passed positionally, the rest by keyword: GPT-2's forward is (input_ids, cache,
+            # attention_mask, ...), so attention_mask goes by name, never into `cache`.
             names = list(bound.arguments)
             keys = {name: str(i) if i < len(positional) else name for i, name in enumerate(names)}
-            return cls(names, list(bound.arguments.values()), [list(dims[keys[n]]) for n in names], len(names))
+            leading = 0
+            for parameter, name in zip(parameters, names):
+                if parameter.name != name or parameter.kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                    break
+                leading += 1
+            return cls(names, list(bound.arguments.values()), [list(dims[keys[n]]) for n in names], leading)
         names = [f"input_{i}" for i in range(len(positional))] + list(named)
         keys = [str(i) for i in range(len(positional))] + list(named)
         return cls(names, positional + list(named.values()), [list(dims[k]) for k in keys], len(positional))
@@ -236,12 +245,36 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().numpy()
 
 
+@contextlib.contextmanager
+def called_in_order(model: torch.nn.Module, inputs: ModelInputs) -> Iterator[None]:
+    """While it lasts, `model` takes all of `inputs` positionally, in their order (what MLflow exports a pt2 program
+    with), and hands them to its own forward as `inputs` says: the leading ones positionally, the rest by their
+    names. The program's parameters are then named after the inputs (`input_ids, attention_mask`), so it takes them
+    by keyword too (`ampflow_pyfunc.accept_keywords`)."""
+    if inputs.positional == len(inputs.names):
+        yield
+        return
+    own = model.forward
+
+    def forward(*tensors: torch.Tensor) -> Any:
+        return own(*tensors[:inputs.positional], **dict(zip(inputs.names[inputs.positional:],
+                                                            tensors[inputs.positional:])))
+
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in inputs.names])
+    model.forward = forward  # the instance's, over its class's
+    try:
+        yield
+    finally:
+        del model.forward
+
+
 def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: ModelInputs,
                code_paths: Optional[list[str]] = None, pip_requirements: Optional[list[str]] = None,
                chosen: Optional[list[str]] = None) -> None:
-    """The flavor's `save_model` (`mlflow.models.Model.log` calls it): a pt2 program when the model exports with
-    its inputs positional, else the pickled module; then the example and ampflow's pyfunc. Appends the format
-    used to `chosen`."""
+    """The flavor's `save_model` (`mlflow.models.Model.log` calls it): a pt2 program taking the inputs in their
+    order (`called_in_order`) when the model exports, else the pickled module; then the example and ampflow's
+    pyfunc. Appends the format used to `chosen`."""
     # mlflow: seconds to import; runner.export imports this module with the driver, whose bad input exits first
     import mlflow.pyfunc
     import mlflow.pytorch
@@ -251,14 +284,13 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
                   pip_requirements=pip_requirements,
                   code_paths=[*(code_paths or []), str(PYFUNC_LOADER)])
     try:
-        if inputs.positional != len(inputs.names):
-            raise ValueError("its forward takes inputs by keyword only")
         # The program returns plain tensors and dicts (a Hugging Face ModelOutput as a dict), so loading it needs
         # no third-party import.
         handle = pytorch_model.register_forward_hook(lambda module, args, output: plain(output))
         try:
-            mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
-                                      input_example=tuple(inputs.tensors), **common)
+            with called_in_order(pytorch_model, inputs):
+                mlflow.pytorch.save_model(pytorch_model, path, serialization_format="pt2",
+                                          input_example=tuple(inputs.tensors), **common)
         finally:
             handle.remove()
         used = "pt2"
@@ -279,12 +311,13 @@ def save_model(path: str, mlflow_model, pytorch_model: torch.nn.Module, inputs: 
 
 
 def log_model(model: torch.nn.Module, inputs: ModelInputs, name: str, code_paths: Optional[list[str]],
-              pip_requirements: list[str]) -> str:
-    """Log `model` under the active run as MLflow model `name`; returns the format used (`pt2` or `pickle`)."""
+              pip_requirements: list[str]) -> tuple[str, str]:
+    """Log `model` under the active run as MLflow model `name`; returns the format used (`pt2` or `pickle`) and
+    the logged model's id."""
     from mlflow.models import Model  # mlflow: seconds to import (see `save_model`)
 
     chosen: list[str] = []
-    Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model), flavor_name="pytorch",
-              pytorch_model=model, inputs=inputs, code_paths=code_paths, pip_requirements=pip_requirements,
-              chosen=chosen)
-    return chosen[0]
+    info = Model.log(artifact_path=None, name=name, flavor=SimpleNamespace(save_model=save_model),
+                     flavor_name="pytorch", pytorch_model=model, inputs=inputs, code_paths=code_paths,
+                     pip_requirements=pip_requirements, chosen=chosen)
+    return chosen[0], info.model_id

@@ -31,7 +31,9 @@ def log_model(tracker, model, inputs, code_paths: Optional[list[str]] = None,
     try:
         with warnings.catch_warnings(), mlflow.start_run(run_id=tracker.run_id):
             warnings.simplefilter("ignore")  # signature inference chatter
-            return logged_model.log_model(model, inputs, name, code_paths, requirements)
+            model_format, tracker.logged_models[name] = logged_model.log_model(model, inputs, name, code_paths,
+                                                                               requirements)
+            return model_format
     finally:
         if ended.end_time:  # a finished run's export: MLflow's end_run would make now its end, not training's
             tracker._client.set_terminated(tracker.run_id, status=ended.status, end_time=ended.end_time)

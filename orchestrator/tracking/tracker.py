@@ -28,10 +28,11 @@ import numpy as np
 from omegaconf import DictConfig
 
 from orchestrator.errors import BadInput
-from orchestrator.tracking import run_model
+from orchestrator.tracking import run_model, summary_values
 from orchestrator.tracking.plots import log_run_plots
 from orchestrator.tracking.refusals import Refusals
 from orchestrator.tracking.secrets import redact, redact_all, redact_figure, redact_yaml
+from orchestrator.tracking.summary_values import held, summary_tags
 
 if TYPE_CHECKING:
     from orchestrator.tracking.lineage import DatasetLineage
@@ -63,13 +64,18 @@ def resolve_uri(configured: Optional[str], base_dir: Path) -> str:
     return uri
 
 
+TRAINING_VIEW = "?workflowType=machine_learning"
+"""What opens MLflow 3.17's UI in its model-training view: it chooses the view from the URL's `workflowType`, else
+from the browser's last choice (GenAI by default); older 3.x UIs read the experiment's `mlflow.experimentKind`."""
+
+
 def view_hint(uri: str, experiment_id: str, run_id: str) -> str:
     """How to look at the run: the UI URL for a server, the `mlflow ui` command for a local store."""
     if uri.startswith(("http://", "https://")):
-        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+        return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
     return (
         f"mlflow ui --backend-store-uri {uri}\n"
-        f"  then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
+        f"  then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"
     )
 
 
@@ -98,6 +104,16 @@ def standard_tags(job_path: Path, directory: Path) -> dict[str, str]:
     return tags
 
 
+def policy_tags(precision) -> dict[str, str]:
+    """What a run's `preset` and `compute_dtype` tags leave out of a per-layer policy (a tuned job's): its rules
+    in order (`precision_rules: conv1=bfloat16, head=float16`) and fp32 master weights when kept; {} for a policy
+    without rules."""
+    if not precision.rules:
+        return {}
+    rules = ", ".join(f"{rule.match}={rule.dtype}" for rule in precision.rules)
+    return {"precision_rules": rules[:5000], "master_weights": str(bool(precision.master_weights)).lower()}
+
+
 @contextlib.contextmanager
 def _sqlite_store_lock(uri: str):
     """Hold an exclusive lock on a local SQLite store's directory: two submits opening a new store at the same
@@ -113,6 +129,14 @@ def _sqlite_store_lock(uri: str):
         yield
     finally:
         os.close(handle)  # releases the lock
+
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag MLflow's UI (3.x before 3.17) reads to choose the experiment's view (its JS's
+`experimentKind`); 3.17 reads the URL's `workflowType` instead (`TRAINING_VIEW`)."""
+
+TRAINING_KIND = "custom_model_development"
+"""The value that opens the model-training view (runs, metrics charts), not the GenAI one (traces, evaluations)."""
 
 
 def reach(uri: str, experiment: str, anyway: str):
@@ -176,6 +200,8 @@ class RunTracker:
         """Every write to the run MLflow refused, by kind (the driver shares one with the run's writer)."""
         self.artifacts_logged: set[str] = set()
         """The artifact paths this tracker logged (`missing_artifacts` checks they are still there)."""
+        self.logged_models: dict[str, str] = {}
+        """The id of each model this tracker logged, by name."""
 
     @classmethod
     def create(cls, uri: str, experiment: str, *, run_name: str, tags: dict[str, str],
@@ -185,6 +211,8 @@ class RunTracker:
         `tracking.required: false` does instead, as `reach` tells)."""
         client, found = reach(uri, experiment, anyway)
         experiment_id = found.experiment_id if found is not None else _create_experiment(client, experiment)
+        if found is None or EXPERIMENT_KIND_TAG not in found.tags:  # a kind its owner set is kept
+            client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
         run = client.create_run(experiment_id, run_name=redact(run_name), tags=redact_all(tags))
         return cls(uri, experiment_id, run.info.run_id)
 
@@ -265,6 +293,17 @@ class RunTracker:
         self._client.set_tag(self.run_id, key, redact(value))
 
     @_write
+    def delete_tag(self, key: str) -> None:
+        """Remove a tag (one that is not there: nothing to do)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.delete_tag(self.run_id, key)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+
+    @_write
     def log_datasets(self, datasets: Sequence["DatasetLineage"]) -> None:
         """The run's dataset inputs (`orchestrator.tracking.lineage`): each with its context, a tensor schema
         and a profile of its size and sample shape."""
@@ -329,11 +368,49 @@ class RunTracker:
         """Log the model as the run's MLflow model `name` (`run_model.log_model`); returns the format used."""
         return run_model.log_model(self, model, inputs, code_paths, name)
 
+    @_write
+    def describe_model(self, name: str, step: Optional[int] = None, tags: Optional[dict[str, str]] = None) -> None:
+        """What MLflow's page of the logged model `name` shows besides its files: the run's `train/` and `eval/`
+        metrics as they were at `step` (the checkpoint logged; default the newest), each linked to the model and
+        to the dataset it was measured on (the run's `train` or `eval` input: the page's "Datasets used"), and
+        `tags`."""
+        from mlflow.entities import Metric
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        model_id = self.logged_models[name]
+        run = self._client.get_run(self.run_id)
+        datasets = {tag.value: entry.dataset for entry in (run.inputs.dataset_inputs if run.inputs else [])
+                    for tag in entry.tags if tag.key == MLFLOW_DATASET_CONTEXT}
+        linked = []
+        for key in sorted(run.data.metrics):
+            if not key.startswith(("train/", "eval/")):
+                continue
+            history = sorted(self.metric_history(key), key=lambda m: (m.step, m.timestamp))
+            until = [m for m in history if step is None or m.step <= step]
+            if not until:
+                continue
+            dataset = datasets.get("eval" if key.startswith("eval/") else "train")
+            linked.append(Metric(key, until[-1].value, until[-1].timestamp, until[-1].step, model_id=model_id,
+                                 dataset_name=dataset.name if dataset else None,
+                                 dataset_digest=dataset.digest if dataset else None, run_id=self.run_id))
+        if linked:
+            self._client.log_batch(self.run_id, metrics=linked)
+        if tags:
+            self._client.set_logged_model_tags(model_id, redact_all(tags))
+
     # -- reading ----------------------------------------------------------------------------------
 
     def metric_history(self, key: str) -> list:
-        """Every value logged for `key` (MLflow `Metric`s, in no promised order; [] when never logged)."""
-        return list(self._client.get_metric_history(self.run_id, key))
+        """Every value logged for `key` (MLflow `Metric`s, in no promised order; [] when never logged); a value
+        that never changed, kept as a summary tag (`orchestrator.tracking.summary_values`), as one at step 0."""
+        from mlflow.entities import Metric
+
+        history = list(self._client.get_metric_history(self.run_id, key))
+        if history or not held(key):
+            return history
+        run = self._client.get_run(self.run_id)
+        value = summary_tags(run.data.tags).get(key)
+        return [] if value is None else [Metric(key, value, run.info.start_time, 0)]
 
     def metric_ends(self) -> tuple[dict[str, int], dict[str, int]]:
         """Each metric's highest logged step and newest timestamp (ms): where a resumed run's metrics go on from."""
@@ -349,9 +426,11 @@ class RunTracker:
         return self._client.get_run(self.run_id).info
 
     def latest_metrics(self) -> dict[str, float]:
-        """Each metric's newest value as the run holds it ({} when the store cannot be read)."""
+        """Each metric's newest value as the run holds it, its summary values included ({} when the store cannot
+        be read)."""
         try:
-            return dict(self._client.get_run(self.run_id).data.metrics)
+            run = self._client.get_run(self.run_id)
+            return summary_values.values(run.data.metrics, run.data.tags)
         except Exception:
             return {}
 

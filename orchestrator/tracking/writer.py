@@ -2,7 +2,8 @@
 
 A thread drains the report relay every second and applies what it got to the run: metrics
 (each metric at most once per step: repeats after a restart, or an epoch-end report at the step
-of the report before it, are dropped), every rank's system samples (each at its own time, at most
+of the report before it, are dropped; counters and values set once are summary tags until they change,
+`orchestrator.tracking.summary_values`), every rank's system samples (each at its own time, at most
 once), tags, JSON artifacts, and the merged overflow log. When
 MLflow is down the records wait in memory (training never waits) and are backfilled, with their
 original timestamps, once it answers again. With `tracking.required: false` the run itself may
@@ -23,6 +24,7 @@ from orchestrator.errors import was_interrupted
 from orchestrator.tracking.goodput import AttemptEnded, RunClock
 from orchestrator.tracking.nodes import NodeLost, NodeLosses
 from orchestrator.tracking.refusals import Refusals, describe
+from orchestrator.tracking.summary_values import Held
 from orchestrator.tracking.tables import RENDERED
 from orchestrator.common.report import Report
 
@@ -71,6 +73,8 @@ class MlflowWriter:
         self.last_step: dict[str, int] = {}
         self.last_time: dict[str, int] = {}
         """Each system metric's newest logged timestamp (ms): its samples are logged once, by time."""
+        self.held = Held()
+        """The counters and set-once values not charted while they keep their first value."""
         self.overflow_log: list[dict[str, Any]] = []
         self.newest: dict[str, Any] = {}
         """The newest value of every plain (number or text) key reported so far: the console line reads it."""
@@ -93,6 +97,7 @@ class MlflowWriter:
     def resume_from_run(self) -> None:
         """Continue a run: its metrics' last steps and its overflow log, so nothing is logged twice."""
         self.last_step, self.last_time = self.tracker.metric_ends()
+        self.held.resume(self.last_step, self.tracker.tags())
         self.overflow_log = self.tracker.load_json(OVERFLOW_LOG) or []
 
     def start(self) -> "MlflowWriter":
@@ -256,8 +261,18 @@ class MlflowWriter:
             step, timestamp, metrics = payload
             self.refusals.step = step
             fresh = {key: value for key, value in metrics.items() if step > self.last_step.get(key, -1)}
-            if fresh:
-                self.tracker.log_metrics(fresh, step, timestamp_ms=timestamp)
+            held = self.held.copy()
+            try:
+                for at_step, at_time, batch in self.held.split(step, timestamp, fresh):
+                    self.tracker.log_metrics(batch, at_step, timestamp_ms=at_time)
+                if self.held.untagged():
+                    self.tracker.set_tags(self.held.untagged())
+                for key in self.held.stale():
+                    self.tracker.delete_tag(key)
+            except Exception:  # retried as a whole: the held values as they were
+                self.held = held
+                raise
+            self.held.tagged = (self.held.tagged | set(self.held.constants())) - self.held.moved
             self.last_step.update(dict.fromkeys(fresh, step))
         elif kind == "logged":
             self.logged_seq = max(self.logged_seq, payload)

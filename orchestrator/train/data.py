@@ -2,7 +2,8 @@
 
 `cifar10` is downloaded by torchvision where the network allows; `digits` is
 scikit-learn's real 8x8 digits served as 3x32x32 so CIFAR models run unchanged;
-`synthetic` is random tensors of `data.synthetic_shape`, for throughput only.
+`synthetic` is random tensors of `data.synthetic_shape`, for throughput only; `lm_text` is English text in
+fixed-length blocks of token ids for a causal language model (`orchestrator.train.text`).
 
 Two ways to feed a rank (`data.loader`): a torch DataLoader over its shard, or `DeviceLoader`, which
 keeps the whole split on the worker's device and slices batches out of it (no loader processes, no
@@ -25,7 +26,7 @@ from orchestrator.config.imports import is_import_path, resolve_import_path
 from orchestrator.config.names import TORCHVISION_DATASETS, check_dataset_name
 from orchestrator.config.job import Job
 from orchestrator.errors import BadInput, DataUnavailable
-from orchestrator.train import cuda_defaults, vision
+from orchestrator.train import cuda_defaults, text, vision
 from orchestrator.train.batch import Batches, BatchLayout
 from orchestrator.train.samplers import Elastic, ElasticSampler, ResumableSampler, ShardSampler, train_shard
 
@@ -185,6 +186,8 @@ def build_datasets(data_cfg, num_classes: int) -> tuple[Dataset, Dataset]:
         return _cifar10(data_cfg)
     if data_cfg.name == "digits":
         return _digits()
+    if data_cfg.name == text.NAME:
+        return text.lm_text(data_cfg)
     return _synthetic(data_cfg, num_classes)
 
 

@@ -4,7 +4,7 @@ import torch
 
 from orchestrator.train.collectives import all_reduce
 from orchestrator.common.modes import eval_mode
-from orchestrator.train.task import SummedMetric, TorchMetric, fp32
+from orchestrator.train.task import Perplexity, SummedMetric, TorchMetric, fp32
 from orchestrator.train.training import Training
 
 
@@ -46,4 +46,6 @@ def evaluate(training: Training, batches, device: torch.device) -> dict[str, flo
     for metric in training.metrics:
         if isinstance(metric, TorchMetric):
             metrics.update({f"eval/{key}": value for key, value in metric.compute().items()})
+        elif isinstance(metric, Perplexity):
+            metrics.update({f"eval/{key}": value for key, value in metric.of_loss(metrics["eval/loss"]).items()})
     return metrics

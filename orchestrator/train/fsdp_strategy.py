@@ -25,12 +25,16 @@ from orchestrator.config.job import Job
 from orchestrator.config.strategies import FSDP
 from orchestrator.precision import Precision
 from orchestrator.precision.blocks import apply_blocks, compile_options
+from orchestrator.precision.kept import check_attention_blocks
 from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, plan_units, prepare
 from orchestrator.precision.policy import LayerPlan, Policy, plan
-from orchestrator.train import fsdp, fsdp_memory, sharded_checkpoint
-from orchestrator.train.checkpoint import STATE_FILE, Candidate, CorruptCheckpoint
+from orchestrator.checkpoint import sharded as sharded_checkpoint
+from orchestrator.checkpoint.checkpointer import Saved
+from orchestrator.checkpoint.formats import DcpShards
+from orchestrator.train import fsdp, fsdp_memory
+from orchestrator.checkpoint.files import STATE_FILE, Candidate, CorruptCheckpoint
 from orchestrator.train.collectives import all_agree
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 Built = TypeVar("Built")
 """What a resume builds from the state it found (`orchestrator.train.training.Training`)."""
@@ -65,7 +69,10 @@ class FsdpStrategy:
         """Pre-flight: the units and their policies can be planned on the CPU model (BadInput naming the rule, the
         `scaling.fsdp.wrap` glob or the model's `fsdp_units` entry that cannot be)."""
         policy = Job.of(cfg).policy
-        plan_units(model, policy, plan(model, policy), FsdpSettings.from_config(cfg.scaling, cfg.precision))
+        plans = plan(model, policy)
+        if batch is not None:  # a rule splitting an attention block fails under FSDP2's per-unit casts as under DDP
+            check_attention_blocks(cfg, model, batch, policy, plans)
+        plan_units(model, policy, plans, FsdpSettings.from_config(cfg.scaling, cfg.precision))
 
     @staticmethod
     def resume(candidates: Sequence[Candidate], rank: int, world_size: int, device: torch.device,
@@ -160,7 +167,7 @@ class FsdpStrategy:
     def checkpoint_state(self, precision: Precision, optimizer: torch.optim.Optimizer
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model and optimizer in a checkpoint's train_state.pt: none (the shards go to `sharded/`, through
-        `staged_checkpoint`)."""
+        `checkpoint_format`)."""
         return {}, {}
 
     def snapshot_state(self, precision: Precision, optimizer: torch.optim.Optimizer
@@ -181,13 +188,9 @@ class FsdpStrategy:
     def load_full_state_dict(self, state: Optional[dict[str, torch.Tensor]]) -> None:
         fsdp.load_full_state_dict(self.model, state)
 
-    def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
-                          ) -> AbstractContextManager[Path]:
-        """This rank's part of a checkpoint (the shards, and `shared` and `facts` on rank 0, `own` on every rank) in
-        a staging directory to report. A collective."""
-        return sharded_checkpoint.staged_sharded_checkpoint(self.rank, self.world_size, self.model, optimizer,
-                                                            shared, own, step, facts)
+    def checkpoint_format(self, optimizer: torch.optim.Optimizer) -> "BufferedShards":
+        """Every rank's shards (DCP, a collective), and `shared` and `facts` on rank 0, `own` on every rank."""
+        return BufferedShards(self.rank, self.world_size, self.model, optimizer)
 
     def load_newest_valid(self, candidates: Sequence[Candidate], optimizer: torch.optim.Optimizer,
                           agree: Optional[Callable[[bool], bool]] = None):
@@ -202,3 +205,12 @@ class FsdpStrategy:
     def memory(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, dict[str, int]]:
         """This rank's bytes of parameters, gradients and optimizer state (`memory/<category>_<dtype>_bytes`)."""
         return fsdp_memory.rank_bytes(self.model, optimizer)
+
+
+class BufferedShards(DcpShards):
+    """`DcpShards` with rank 0's buffers on every rank first (as the next forward would make them), so whichever
+    rank's copy DCP keeps, it is rank 0's."""
+
+    def staged(self, saved: Saved, step: int) -> AbstractContextManager[Path]:
+        fsdp.broadcast_buffers(self.model)
+        return super().staged(saved, step)

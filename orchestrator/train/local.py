@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from orchestrator.train.checkpoint import Candidate, local_candidates
+from orchestrator.checkpoint.files import Candidate, local_candidates
 from orchestrator.train.collectives import spans_ranks
 from orchestrator.train.loop import TrainingLoop
 from orchestrator.train.hooks.watchdog import STACKS, STALLED_EXIT, Stall, StepStalled, collective_timeout_s

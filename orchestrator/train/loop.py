@@ -17,7 +17,7 @@ checkpoints exist to resume from. Ray Train's worker (`orchestrator.runner.worke
 
 import itertools
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
@@ -29,7 +29,8 @@ from orchestrator.train import rng
 from orchestrator.train.batch import InputExample
 from orchestrator.train.callbacks import build_callbacks
 from orchestrator.train.clock import WindowClock
-from orchestrator.train.checkpoint import Candidate, NonFiniteState, dir_name, remove_stale_staging
+from orchestrator.checkpoint.checkpointer import Checkpointer, Saved
+from orchestrator.checkpoint.files import Candidate, NonFiniteState, remove_stale_staging
 from orchestrator.train.collectives import all_agree, all_gather, all_reduce
 from orchestrator.train.data import build_rank_loaders
 from orchestrator.train.ddp import Wrap
@@ -48,9 +49,9 @@ from orchestrator.train.hooks.watchdog import Watchdog
 from orchestrator.common.report import Report, checkpoint_score
 from orchestrator.train.preemption import Preempted, PreemptionCheck
 from orchestrator.config.job import Job
-from orchestrator.train.resume import CheckpointFacts, Resumed, check_resume
+from orchestrator.checkpoint.resume import CheckpointFacts, Resumed, check_resume
 from orchestrator.train.rng import seed_everything
-from orchestrator.train.state import RankState, TrainState
+from orchestrator.checkpoint.state import RankState, TrainState
 from orchestrator.train.step import Step, accumulated_step
 from orchestrator.train.stopping import EarlyStopping
 from orchestrator.train.strategy import resume
@@ -116,8 +117,9 @@ class TrainingLoop:
         # the schedule and the loss scaler, built from it (`build_resumed`).
         self.total_steps, self.resumed = self.layout.total_steps, None
         self.attempt = int(all_reduce([time.time() * 1000 if self.rank == 0 else 0.0], self.device)[0])
-        state, self.resume_warnings, self.training = resume(cfg, session.checkpoints(), self.rank, self.world_size,
-                                                            self.device, self.build_resumed)
+        self.checkpointer = Checkpointer(session.checkpoints, self.attempt)
+        state, self.resume_warnings, self.training = self.checkpointer.load(
+            lambda candidates: resume(cfg, candidates, self.rank, self.world_size, self.device, self.build_resumed))
         self.window = Window(self.device)
         self.clock = WindowClock(self.device)
         stopping = cfg.run.early_stopping
@@ -304,27 +306,9 @@ class TrainingLoop:
         if checkpoint_at is None or not_finite is not None:
             self.session.report(report.to_wire())
         else:
-            own = RankState(rng.capture(), self.window.state(), self.hooks.state_dicts())
-            shared = facts = None
-            if self.rank == 0:  # the shared part: weights, optimizer, schedule, scaler, position, layout
-                placed = Report(seq=report.seq, step=report.step, epoch=report.epoch, epochs=report.epochs,
-                                total_steps=report.total_steps, metrics=report.metrics).to_wire()
-                state = self.training.capture().at(
-                    epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
-                    precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id, report=placed,
-                    rank=own, report_seq=self.seq,
-                    early_stopping=self.stopping.state() if self.stopping is not None else None,
-                    sample_shape=self.input_example.sample_shape(),
-                    input_example=self.input_example.state(), layout=self.layout.to_dict())
-                checked = CheckpointFacts.of_state(state)
-                if not state.model:  # FSDP: the weights are in the shards; the facts keep their whole shapes
-                    checked.model_shapes = self.training.model_shapes()
-                shared, facts = state.to_files()[0], checked.to_json()
-            name = dir_name(self.global_step, self.attempt)
-            with self.training.strategy.staged_checkpoint(self.training.optimizer, shared, asdict(own),
-                                                          self.global_step, facts) as directory:
-                self.hooks.call("on_checkpoint", self, directory, name)
-                self.session.report(report.to_wire(), directory, name)
+            self.checkpointer.save(self.global_step, self.saved_state(report, checkpoint_at),
+                                   self.training.strategy.checkpoint_format(self.training.optimizer),
+                                   lambda directory, name: self.publish(report, directory, name))
         self.window.exclude_since(began)
         if not_finite is not None:
             raise NonFiniteState(
@@ -332,6 +316,26 @@ class TrainingLoop:
                 "written: the newest checkpoint is still the newest finite one. Look at amp/overflow_log.json for "
                 "the steps before; set precision.on_nonfinite_grads: skip (the default), lower optim.lr, clip "
                 "(optim.clip_grad_norm) or keep the layer named in fp32 (precision.rules).")
+
+    def saved_state(self, report: Report, checkpoint_at: tuple[int, int]) -> Saved:
+        """This rank's part of the checkpoint made with `report` at `checkpoint_at=(epoch, batches_done)`: its RNG,
+        loss window and hooks' states; on rank 0 also the shared train state (weights, optimizer, schedule, scaler,
+        position, layout) and its facts."""
+        own = RankState(rng.capture(), self.window.state(), self.hooks.state_dicts())
+        if self.rank != 0:
+            return Saved.of(own)
+        state = self.training.capture().at(
+            epoch=checkpoint_at[0], batches_done=checkpoint_at[1], global_step=self.global_step,
+            precision=OmegaConf.to_container(self.cfg.precision), run_id=self.run_id, report=report.metrics_only(),
+            rank=own, report_seq=self.seq, early_stopping=self.stopping.state() if self.stopping is not None else None,
+            sample_shape=self.input_example.sample_shape(), input_example=self.input_example.state(),
+            layout=self.layout.to_dict())
+        return Saved.of(own, state, self.training.model_shapes())
+
+    def publish(self, report: Report, directory: Path, name: str) -> None:
+        """Hand a staged checkpoint over with its report (the hooks see it first)."""
+        self.hooks.call("on_checkpoint", self, directory, name)
+        self.session.report(report.to_wire(), directory, name)
 
     def nonfinite_state(self) -> Optional[str]:
         """What is not finite where, on any rank, in what a checkpoint would hold (weights, masters, optimizer

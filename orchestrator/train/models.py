@@ -15,6 +15,7 @@ from torch import nn
 from orchestrator.config.imports import import_module_from_cwd, is_import_path, is_installed, resolve_import_path
 from orchestrator.config.names import check_model_name
 from orchestrator.errors import BadInput
+from orchestrator.train.transformer_lm import TransformerLM
 
 
 class SimpleCNN(nn.Module):
@@ -75,6 +76,7 @@ REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "simple_cnn": SimpleCNN,
     "resnet18": resnet18,
     "three_conv": ThreeConv,
+    "transformer_lm": TransformerLM,
 }
 
 

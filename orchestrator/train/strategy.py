@@ -1,7 +1,7 @@
 """How the model is spread over the ranks (`scaling.strategy`): DDP or FSDP2, each one class behind one set of methods.
 
 Pre-flight (`check_plan`), the training build (`orchestrator.train.training`), the step (`no_sync`, `clip`), the
-loop's checkpoints (`staged_checkpoint`, `resume`) and the final model (`load_trained_weights`) call a strategy;
+loop's checkpoints (`checkpoint_format`, `resume`) and the final model (`load_trained_weights`) call a strategy;
 only the strategy knows whether each rank holds the whole model (`DdpStrategy`) or its shards (`FsdpStrategy`,
 `orchestrator.train.fsdp_strategy`). The job's choice (`orchestrator.config.strategies`) finds its class
 (`strategy_class`), and nothing else tells the two apart:
@@ -13,9 +13,10 @@ only the strategy knows whether each rank holds the whole model (`DdpStrategy`) 
 | `no_sync()` | DDP's `no_sync` | no reduce-scatter |
 | `clip(optimizer, max_norm)` | the norm of the rank's (whole) gradients | the norm over every rank's shards |
 | `checkpoint_state` | fp32 weights and the optimizer in train_state.pt | none there: the shards in `sharded/` (DCP) |
+| `checkpoint_format(optimizer)` | `FullState`: rank 0 writes it whole | `DcpShards`: every rank its shards |
 | `snapshot_state` (rollback, promotion) | the same | this rank's shards |
 | `full_state_dict()` | the fp32 weights (any rank) | gathered to rank 0's CPU (a collective) |
-| `check_plan(cfg, model, batch)` (pre-flight) | the policy kept on a CPU copy | the units planned |
+| `check_plan(cfg, model, batch)` (pre-flight) | the policy kept on a CPU copy | attention blocks unsplit, the units planned |
 | `resume(...)` (before the build) | the state holds weights and optimizer | the build first, then the shards |
 | `load_trained_weights(directory, model)` | from train_state.pt | the shards read whole |
 
@@ -36,11 +37,12 @@ from orchestrator.precision import Precision
 from orchestrator.precision.blocks import apply_blocks, check_block_rules, compile_options
 from orchestrator.precision.guarded_step import clip as clip_gradients
 from orchestrator.precision.kept import check_policy_kept
-from orchestrator.train.checkpoint import (Candidate, load_newest_valid, manifest_file, read_checkpoint,
-                                           staged_checkpoint)
+from orchestrator.checkpoint.checkpointer import Format
+from orchestrator.checkpoint.files import Candidate, load_newest_valid, manifest_file, read_checkpoint
+from orchestrator.checkpoint.formats import FullState
 from orchestrator.train.collectives import all_agree
 from orchestrator.train.ddp import Wrap, ddp_wrap
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 Built = TypeVar("Built")
 """What a resume builds from the state it found (`orchestrator.train.training.Training`)."""
@@ -73,9 +75,7 @@ class Strategy(Protocol):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
-    def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
-                          ) -> AbstractContextManager[Path]: ...
+    def checkpoint_format(self, optimizer: torch.optim.Optimizer) -> Format: ...
 
 
 class DdpStrategy:
@@ -153,10 +153,9 @@ class DdpStrategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.precision.fp32_state_dict()
 
-    def staged_checkpoint(self, optimizer: torch.optim.Optimizer, shared: Optional[dict[str, Any]],
-                          own: dict[str, Any], step: int, facts: Optional[dict[str, Any]] = None
-                          ) -> AbstractContextManager[Path]:
-        return staged_checkpoint(self.rank, shared, own, step, facts=facts)
+    def checkpoint_format(self, optimizer: torch.optim.Optimizer) -> FullState:
+        """The full state from rank 0 (`train_state.pt`), each rank its own part."""
+        return FullState(self.rank)
 
 
 def strategy_class(choice: StrategyChoice) -> type:
@@ -199,17 +198,17 @@ def written_under(directory: Path) -> Optional[str]:
     return strategy if isinstance(strategy, str) else None
 
 
-def _checked(where: str, open_directory: Callable[[], AbstractContextManager[str]], strategy: str
+def _checked(where: str, open_directory: Callable[[], AbstractContextManager[str]], strategy: StrategyChoice
              ) -> Callable[[], AbstractContextManager[str]]:
     @contextmanager
     def opened() -> Iterator[str]:
         with open_directory() as directory:
-            written = written_under(Path(directory))
-            if written is not None and written != strategy:
+            written = manifest_strategy(_rank0_manifest(Path(directory)))
+            if written is not None and written is not strategy:
                 raise IncompatibleStrategy(
-                    f"checkpoint {where} was written under scaling.strategy {written}, and this job trains under "
-                    f"{strategy}: the strategy cannot change within a run. Resume it with scaling.strategy={written}, "
-                    "or start the job afresh (without --resume).")
+                    f"checkpoint {where} was written under scaling.strategy {written.name}, and this job trains under "
+                    f"{strategy.name}: the strategy cannot change within a run. Resume it with "
+                    f"scaling.strategy={written.name}, or start the job afresh (without --resume).")
             yield directory
 
     return opened
@@ -226,7 +225,7 @@ def resume(cfg: Any, candidates: Sequence[Candidate], rank: int, world_size: int
     Each strategy resumes its own way (`DdpStrategy.resume`, `FsdpStrategy.resume`). A checkpoint written under
     the other strategy is refused (IncompatibleStrategy) rather than skipped: every checkpoint of the run was.
     """
-    strategy = cfg.scaling.strategy
+    strategy = Job.of(cfg).strategy
     candidates = [(where, _checked(where, opener, strategy)) for where, opener in candidates]
     return job_strategy(cfg).resume(candidates, rank, world_size, device, build, lambda ok: all_agree(ok, device))
 

@@ -1,7 +1,10 @@
 """Per-rank system metrics, sampled off the training thread and sent with the rank's next report.
 
 A daemon thread samples the rank's process (CPU %, resident memory) and, on CUDA, its GPU (utilisation,
-memory used, power; NVML through `torch.cuda`) every `tracking.system_metrics_interval_s`. The loop's
+memory used, power; NVML through `torch.cuda`) every `tracking.system_metrics_interval_s`, sooner while the
+rank is young: the wait is a tenth of the time sampled so far, at least `FLOOR_S` and at most the configured
+interval, so a run of 11 s draws a line of ~15 points instead of none, and a long run samples as configured. The
+loop's
 system-metrics hook (`orchestrator.train.hooks.system`) takes the samples at each report (`take`) into the
 report's `system_samples`, every rank alike; the controller's relay callback gathers all ranks'
 and the driver logs each sample at its own time. Names follow MLflow's system metrics with the rank as
@@ -20,6 +23,17 @@ import psutil
 import torch
 
 logger = logging.getLogger("ampflow.system")
+
+FLOOR_S = 0.5
+"""The shortest wait between two samples (unless `tracking.system_metrics_interval_s` asks for shorter)."""
+
+SAMPLES_PER_RUN = 10
+"""At least this many samples in any run longer than `SAMPLES_PER_RUN * FLOOR_S`."""
+
+
+def wait_s(interval_s: float, elapsed_s: float) -> float:
+    """The wait before the next sample, `elapsed_s` after sampling began."""
+    return min(interval_s, max(FLOOR_S, elapsed_s / SAMPLES_PER_RUN))
 
 def metric_prefix(rank: int) -> str:
     return f"system/rank_{rank}/"
@@ -54,7 +68,8 @@ class SystemSampler:
         return samples
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        started = time.monotonic()
+        while not self._stop.wait(wait_s(self.interval_s, time.monotonic() - started)):
             try:
                 sample = {"t": int(time.time() * 1000), "step": self.step, "m": self.sample()}
             except Exception as exc:  # a sensor that fails must never reach training

@@ -1,9 +1,11 @@
 """What the model is trained to do: the loss (`task.loss`) and the evaluation metrics (`task.metrics`).
 
-Built in: `cross_entropy` (with `task.label_smoothing`), `mse` and `bce_with_logits` losses; `accuracy`
-and `top5` metrics, and `token_accuracy` for per-token outputs (a tagger's `N x tokens x classes` scores against
-`N x tokens` targets, the tokens whose target is `IGNORE_INDEX` left out: padding, as Hugging Face marks it). Or the user's own, by import path (`package.module:name`, shipped to the workers as an
-import-path model is):
+Built in: `cross_entropy` (with `task.label_smoothing`), `mse`, `bce_with_logits` and `next_token` (a causal
+language model's: the logits at each position against the next position's label, -100 ignored) losses;
+`accuracy`, `top5` and `perplexity` (exp of the evaluation's mean loss, `eval/loss`) metrics, and `token_accuracy`
+for per-token outputs (a tagger's `N x tokens x classes` scores against `N x tokens` targets, the tokens whose
+target is `IGNORE_INDEX` left out: padding, as Hugging Face marks it). Or the user's own, by import path
+(`package.module:name`, shipped to the workers as an import-path model is):
 - a loss `fn(outputs, targets) -> loss`: a scalar tensor, the mean over the batch;
 - a metric `fn(outputs, targets) -> {name: (sum, count)}`: for each name, a sum and the number of items
   it is over, for this batch. Evaluation adds them up over all batches and all ranks and logs
@@ -20,6 +22,7 @@ attribute or an index), else from `logits` where the outputs have it; the user's
 whole. `task.loss: model` is the loss the model returns (its outputs' `loss`), the model given the targets too.
 """
 
+import math
 import warnings
 from functools import partial
 from typing import Any, Callable, Mapping, Optional
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.config.imports import resolve_import_path
-from orchestrator.config.names import check_loss_name, is_torchmetrics_class, snake_case
+from orchestrator.config.names import NEXT_TOKEN_LOSS, check_loss_name, is_torchmetrics_class, snake_case
 from orchestrator.errors import BadInput
 from orchestrator.common.values import map_tensors, prediction
 from orchestrator.train.batch import MODEL_LOSS
@@ -79,6 +82,21 @@ def model_loss(outputs: Any, targets: Any) -> torch.Tensor:
     return loss.float()
 
 
+IGNORE_INDEX = -100
+"""The target of a token that no metric or loss counts (padding, a prompt): torch's `cross_entropy` default and
+Hugging Face's."""
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal language-modelling loss: the logits at positions 0..T-2 (`[N, T, vocab]`) against the labels
+    at 1..T (`[N, T]`, the input ids themselves, as Hugging Face's causal LMs take them), mean cross-entropy over
+    the tokens whose label is not `IGNORE_INDEX`."""
+    if logits.dim() != 3 or labels.dim() != 2 or logits.shape[:2] != labels.shape:
+        raise ValueError(f"next_token takes logits [batch, sequence, vocab] and labels [batch, sequence]; got "
+                         f"{list(logits.shape)} and {list(labels.shape)}")
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+
 def build_loss(task) -> Loss:
     name, output = task.loss, getattr(task, "output", None)  # a run logged before task.output has none
     if name == MODEL_LOSS:
@@ -87,6 +105,8 @@ def build_loss(task) -> Loss:
         smoothing = task.label_smoothing
         return lambda outputs, targets: F.cross_entropy(prediction(outputs, output).float(), targets,
                                                         label_smoothing=smoothing)
+    if name == NEXT_TOKEN_LOSS:
+        return lambda outputs, targets: next_token_loss(prediction(outputs, output), targets)
     if name == "mse":
         return lambda outputs, targets: F.mse_loss(prediction(outputs, output).float(),
                                                    _as_outputs(targets, prediction(outputs, output).float()))
@@ -96,10 +116,6 @@ def build_loss(task) -> Loss:
     check_loss_name(name)  # an unknown name is refused here
     user_loss = resolve_import_path(name, "task.loss", kind="loss")
     return lambda outputs, targets: user_loss(fp32(outputs), targets)
-
-
-IGNORE_INDEX = -100
-"""The target of a token that no metric or loss counts (padding): torch's `cross_entropy` default and Hugging Face's."""
 
 
 def _per_token(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
@@ -131,7 +147,24 @@ def top5(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, tuple[Any, A
     return {"top5": ((best == targets.unsqueeze(1)).any(dim=1).sum(), targets.shape[0])}
 
 
-BUILT_IN = {"accuracy": accuracy, "top5": top5, "token_accuracy": token_accuracy}
+class Perplexity:
+    """`perplexity`: exp of the evaluation's mean loss (`eval/loss`, a cross-entropy per token for `next_token` or
+    a causal LM's own loss), logged as `eval/perplexity`. It reads nothing of the batches: the loss is the
+    evaluation's, reduced over all ranks already."""
+
+    name = "perplexity"
+
+    def reset(self, device: torch.device) -> None:
+        pass
+
+    def update(self, outputs: Any, targets: Any) -> None:
+        pass
+
+    def of_loss(self, loss: float) -> dict[str, float]:
+        return {self.name: math.exp(loss) if loss < 709 else math.inf}  # exp overflows a float past 709
+
+
+BUILT_IN = {"accuracy": accuracy, "top5": top5, "token_accuracy": token_accuracy, "perplexity": Perplexity}
 
 
 class SummedMetric:
@@ -185,9 +218,11 @@ class TorchMetric:
         return {f"{self.key}/{index}": float(v) for index, v in enumerate(value.flatten())}
 
 
-def build_metric(spec, output: Optional[str] = None) -> SummedMetric | TorchMetric:
+def build_metric(spec, output: Optional[str] = None) -> SummedMetric | TorchMetric | Perplexity:
     """`spec`'s metric; the built-in ones and torchmetrics read the prediction (`task.output`, or `logits`)."""
     reads = partial(prediction, output=output)
+    if spec.name == Perplexity.name:
+        return Perplexity()
     if spec.name in BUILT_IN:
         return SummedMetric(BUILT_IN[spec.name], spec.name, reads)
     target = resolve_import_path(spec.name, "task.metrics", kind="metric")
@@ -196,5 +231,5 @@ def build_metric(spec, output: Optional[str] = None) -> SummedMetric | TorchMetr
     return SummedMetric(target, spec.name)
 
 
-def build_metrics(task) -> list[SummedMetric | TorchMetric]:
+def build_metrics(task) -> list[SummedMetric | TorchMetric | Perplexity]:
     return [build_metric(spec, getattr(task, "output", None)) for spec in task.metrics]

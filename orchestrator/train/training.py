@@ -27,8 +27,8 @@ from orchestrator.train.models import build_model
 from orchestrator.common.modes import freeze_norm, train_mode
 from orchestrator.train.ddp import Wrap
 from orchestrator.train.optim import build_optimizer, build_scheduler, should_step_schedule
-from orchestrator.train.resume import IncompatibleResume, model_mismatch
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.resume import IncompatibleResume, model_mismatch
+from orchestrator.checkpoint.state import TrainState
 from orchestrator.train.strategy import Strategy, make_strategy
 
 

@@ -9,7 +9,8 @@ from omegaconf import MISSING
 @dataclass
 class ModelSection:
     name: str = MISSING
-    """Registry name (`simple_cnn`, `resnet18`) or an import path `package.module:Name`."""
+    """Registry name (`simple_cnn`, `resnet18`, `three_conv`, `transformer_lm`) or an import path
+    `package.module:Name`."""
     num_classes: int = 10
     """Size of the classifier's output layer (>= 1)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -38,6 +39,7 @@ class TransformsSection:
 class DataSection:
     name: str = MISSING
     """Dataset: `cifar10` (torchvision, with CIFAR's own recipe), `digits` (scikit-learn, offline), `synthetic`,
+    `lm_text` (English text in blocks of token ids for a causal LM, offline; its settings in `kwargs`: docs/lm.md),
     a torchvision dataset by name (`MNIST`, `FashionMNIST`, `CIFAR100`, `SVHN`, ...), `ImageFolder` (over
     `root/train` and `root/val`), or an import path `package.module:factory` to your own function returning
     (train dataset, eval dataset)."""
@@ -54,7 +56,8 @@ class DataSection:
     synthetic_shape: List[int] = field(default_factory=lambda: [3, 32, 32])
     """Shape of one `synthetic` sample (channels, height, width, or any other); CIFAR's by default."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for an import-path dataset factory."""
+    """Keyword arguments for an import-path dataset factory, or `lm_text`'s settings (`path`, `tokenizer`,
+    `vocab_size`, `block_size`, `eval_fraction`)."""
     transforms: TransformsSection = field(default_factory=TransformsSection)
     """Image transforms for torchvision datasets and ImageFolder (ToTensor always)."""
     loader: str = "auto"

@@ -1,7 +1,7 @@
 """What a run keeps and how it survives failures: the `tracking`, `checkpoint`, `failure` and `export` sections."""
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 
 @dataclass
@@ -20,9 +20,12 @@ class TrackingSection:
     """At the end, how long to keep retrying metrics MLflow has not taken yet before giving up on them. Seconds, >= 0
     and at most 86,400 (a day)."""
     system_metrics_interval_s: float = 10.0
-    """Sample each rank's CPU %, resident memory and (CUDA) GPU utilisation, memory and power every N seconds,
-    logged as MLflow system metrics `system/rank_<r>/...`; 0 turns it off. Else >= 0.1 and at most 3,600 (an
-    hour)."""
+    """Sample each rank's CPU %, resident memory and (CUDA) GPU utilisation, memory and power every N seconds
+    (sooner early on: a tenth of the time so far, at least 0.5 s, so a short run has 10 samples or more), logged as
+    MLflow system metrics `system/rank_<r>/...`; 0 turns it off. Else >= 0.1 and at most 3,600 (an hour)."""
+    tags: Dict[str, str] = field(default_factory=dict)
+    """More tags on the run (name: text), beside ampflow's own (which win on a clash); `ampflow tune` writes
+    `tune_run_id` here, linking a tuned job's runs to the tune that chose their policy."""
     register_model: Optional[str] = None
     """Register the logged model as a new version of this registered model (tagged with the preset, the run
     and its final metrics); a registry that refuses is a warning, never a failed run. Null: not registered."""

@@ -21,17 +21,18 @@ class MetricSection:
 @dataclass
 class TaskSection:
     loss: str = "cross_entropy"
-    """`cross_entropy` (classification), `mse`, `bce_with_logits`, `model` (the loss the model returns, its
-    outputs' `loss`: the model is given the targets as well, under `task.target`'s name or `labels`, as Hugging Face
-    models take them), or an import path `package.module:fn` to your own `fn(outputs, targets) -> loss` (the batch
-    mean)."""
+    """`cross_entropy` (classification), `mse`, `bce_with_logits`, `next_token` (a causal language model's: the
+    logits [N, T, vocab] at each position against the next position's label, -100 ignored), `model` (the loss the
+    model returns, its outputs' `loss`: the model is given the targets as well, under `task.target`'s name or
+    `labels`, as Hugging Face models take them), or an import path `package.module:fn` to your own
+    `fn(outputs, targets) -> loss` (the batch mean)."""
     label_smoothing: float = 0.0
     """Label smoothing of `cross_entropy` (0: none)."""
     metrics: List[MetricSection] = field(default_factory=lambda: [MetricSection(name="accuracy")])
-    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, `token_accuracy`, import paths to your own
-    `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and ranks), or `{name: <torchmetrics Metric
-    class>, kwargs: {...}}` (updated per batch, computed over all ranks by torchmetrics). A bare string is `{name:
-    ...}`."""
+    """Evaluation metrics, logged as `eval/<name>`: `accuracy`, `top5`, `token_accuracy`, `perplexity` (exp of
+    `eval/loss`), import paths to your own `fn(outputs, targets) -> {name: (sum, count)}` (summed over batches and
+    ranks), or `{name: <torchmetrics Metric class>, kwargs: {...}}` (updated per batch, computed over all ranks by
+    torchmetrics). A bare string is `{name: ...}`."""
     inputs: List[str] = field(default_factory=list)
     """The parts of a batch the model takes, by key (a dict batch), attribute (a dataclass or named tuple) or
     index (a tuple): named ones are passed as keyword arguments (`model(input_ids=..., attention_mask=...)`),

@@ -5,7 +5,7 @@ from typing import Optional
 
 from orchestrator.precision import LossScaleCollapsed
 from orchestrator.train.hooks import Hook
-from orchestrator.train.state import TrainState
+from orchestrator.checkpoint.state import TrainState
 
 
 class CollapseRecovery(Hook):

@@ -1,5 +1,5 @@
 """Sharded checkpoints under FSDP: the model and optimizer through torch.distributed.checkpoint (DCP), with the
-guarantees of the DDP checkpoints (`orchestrator.train.checkpoint`).
+guarantees of the DDP checkpoints (`orchestrator.checkpoint.files`).
 
 A checkpoint directory holds, from each rank r of the N that wrote it:
 - `sharded/__<r>_0.distcp`: rank r's shards of the parameters and of the optimizer state; rank 0's
@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 from orchestrator.config.strategies import DDP, FSDP, manifest_strategy
-from orchestrator.train.checkpoint import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
-                                           manifest_file, rank_file, sha256, write_failure)
-from orchestrator.train.fsdp import broadcast_buffers
+from orchestrator.checkpoint.files import (FACTS_FILE, STAGING_PREFIX, STATE_FILE, Candidate, CorruptCheckpoint,
+                                           manifest_file, rank_file, save_atomically, sha256,
+                                           write_failure)
 
 SHARDED_DIR = "sharded"
 METADATA = f"{SHARDED_DIR}/.metadata"
@@ -109,10 +109,8 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
                              facts: Optional[dict[str, Any]] = None) -> None:
     """Every rank (a collective): its shards of the model and optimizer, rank 0 the metadata, `shared` and `facts`
     (`ampflow_checkpoint.json`, what the driver reads before a resume), each its `own` part; then each its
-    manifest, last. Buffers are rank 0's on every rank first (as the next forward would
-    make them), so whichever rank's copy DCP keeps, it is rank 0's."""
+    manifest, last. The caller gives every rank rank 0's buffers first (`FsdpStrategy.checkpoint_format`)."""
     directory = Path(directory)
-    broadcast_buffers(model)
     try:
         dcp.save(_live_state(model, optimizer, stepped=bool(optimizer.state)),
                  storage_writer=FileSystemWriter(directory / SHARDED_DIR, sync_files=True))
@@ -124,12 +122,12 @@ def write_sharded_checkpoint(directory: Path, rank: int, world_size: int, model:
     files = sorted(f"{SHARDED_DIR}/{path.name}" for path in (directory / SHARDED_DIR).glob(f"__{rank}_*.distcp"))
     if rank == 0:
         files.append(METADATA)
-        _save_atomically(shared if shared is not None else {}, directory / STATE_FILE, save)
+        save_atomically(shared if shared is not None else {}, directory / STATE_FILE, save)
         files.append(STATE_FILE)
         if facts is not None:
-            _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
+            save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
             files.append(FACTS_FILE)
-    _save_atomically(own, directory / rank_file(rank), save)
+    save_atomically(own, directory / rank_file(rank), save)
     files.append(rank_file(rank))
     manifest = {"strategy": STRATEGY, "world_size": world_size,
                 "files": {name: sha256(directory / name) for name in files}}
@@ -148,12 +146,6 @@ def _first_failure(exc: CheckpointException) -> tuple[int, BaseException]:
     """The first failing rank and its exception (DCP gathers every rank's)."""
     rank, (failure, _trace) = next(iter(sorted(exc.failures.items())))
     return rank, failure
-
-
-def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    save(obj, partial)
-    os.replace(partial, path)
 
 
 @contextmanager

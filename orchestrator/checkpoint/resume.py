@@ -4,7 +4,7 @@ A checkpoint records the run that wrote it (`CheckpointFacts`): its position, it
 size, micro-batches per step, training samples, steps per epoch, epochs, total steps, the schedule), its
 model's state-dict shapes and its precision section. They are part of the train state and are also written
 beside it as `ampflow_checkpoint.json`, small enough for the driver to read from any storage before Ray starts
-(`orchestrator.runner.checkpoints`); the workers check again on what they load.
+(`orchestrator.checkpoint.stored`); the workers check again on what they load.
 
 `check_resume` compares them with the job now. Handled exactly:
 - a checkpoint taken at the end of an epoch goes on at the start of the next one, whatever the world size,

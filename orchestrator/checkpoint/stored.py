@@ -1,7 +1,7 @@
 """A run's checkpoints as the driver sees them in storage: read without Ray and without unpickling.
 
 For each `checkpoint_*` directory of `<storage_path>/<run name>`, newest first, the driver reads only the small
-files: `ampflow_checkpoint.json` (the checkpoint's facts, `orchestrator.train.resume.CheckpointFacts`), which
+files: `ampflow_checkpoint.json` (the checkpoint's facts, `orchestrator.checkpoint.resume.CheckpointFacts`), which
 rank 0's manifest vouches for, and the manifests of every rank the checkpoint was written by (a checkpoint
 missing one is incomplete and skipped, as the workers skip it; a sharded, FSDP, checkpoint's manifests list their
 files under `files`). That works the same on a local path and on a storage URI (pyarrow's filesystems, as the run
@@ -10,7 +10,6 @@ recorded is read whole from a local path (`torch.load(weights_only=True)`, every
 from a URI, where its train state may be large.
 """
 
-import hashlib
 import json
 import pickle
 from dataclasses import dataclass
@@ -21,10 +20,14 @@ from pyarrow import fs
 
 from orchestrator.config.strategies import manifest_strategy
 from orchestrator.precision.finite import first_nonfinite_tensor, named_tensors
-from orchestrator.runner.records import _filesystem
-from orchestrator.train.checkpoint import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, manifest_file,
-                                          read_checkpoint)
-from orchestrator.train.resume import CheckpointFacts
+from orchestrator.checkpoint.files import (FACTS_FILE, STATE_FILE, CorruptCheckpoint, checkpoint_names, manifest_file,
+                                          read_checkpoint, sha256_of)
+from orchestrator.checkpoint.resume import CheckpointFacts
+
+
+def _filesystem(storage_path: str):
+    """(pyarrow filesystem, path on it) for a local path or a storage URI."""
+    return fs.FileSystem.from_uri(storage_path) if "://" in storage_path else (fs.LocalFileSystem(), storage_path)
 
 
 @dataclass
@@ -67,7 +70,7 @@ def _stored(filesystem, directory: str, local: bool) -> Optional[StoredCheckpoin
     if FACTS_FILE not in files:  # written before checkpoints carried their facts
         return _older(directory) if local and not sharded else StoredCheckpoint(directory, None)
     text = _read(filesystem, f"{directory}/{FACTS_FILE}")
-    if text is None or hashlib.sha256(text).hexdigest() != files[FACTS_FILE]:
+    if text is None or sha256_of(text) != files[FACTS_FILE]:
         return None
     try:
         facts = CheckpointFacts.from_json(json.loads(text))
@@ -94,10 +97,7 @@ def _checkpoint_dirs(storage_path: str, run_name: str) -> Iterator[tuple[str, Op
     """Each `checkpoint_*` directory of the run, newest first, with its checkpoint when complete (else None)."""
     filesystem, base = _filesystem(storage_path)
     run_dir = f"{base}/{run_name}"
-    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
-    names = sorted((info.base_name for info in infos if info.type == fs.FileType.Directory
-                    and info.base_name.startswith("checkpoint_")), reverse=True)
-    for name in names:
+    for name in checkpoint_names(filesystem, run_dir):
         yield f"{run_dir}/{name}", _stored(filesystem, f"{run_dir}/{name}", local="://" not in storage_path)
 
 

@@ -5,7 +5,7 @@ A checkpoint directory holds, from every rank r that reported it:
 - `train_state.pt` (rank 0): the shared part of the `TrainState` (fp32 weights, optimizer, scaler,
   schedule, counters, position, layout, the effective precision policy, the MLflow run id);
 - `ampflow_checkpoint.json` (rank 0): what the driver needs to check a resume before Ray starts
-  (`orchestrator.train.resume.CheckpointFacts`: position, layout, the model's shapes, precision);
+  (`orchestrator.checkpoint.resume.CheckpointFacts`: position, layout, the model's shapes, precision);
 - `rank<r>.pt`: that rank's RNG states and its unreported loss window;
 - `manifest_rank<r>.json`: the SHA-256 of each of those files, written last.
 A checkpoint is valid for a rank only when rank 0's and its own manifest exist and every file
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+from pyarrow import fs
 
-from orchestrator.train.state import IncompatibleCheckpoint, TrainState
+from orchestrator.checkpoint.state import IncompatibleCheckpoint, TrainState
 
 STATE_FILE = "train_state.pt"
 FACTS_FILE = "ampflow_checkpoint.json"
@@ -66,7 +67,13 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) -> None:
+def sha256_of(data: bytes) -> str:
+    """The SHA-256 of file contents already read (the driver reads small files from storage whole)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def save_atomically(obj: Any, path: Path, save: Callable[[Any, Path], None]) -> None:
+    """Write `path` in full or not at all: to `<path>.partial`, then renamed."""
     partial = path.with_name(path.name + ".partial")
     save(obj, partial)
     os.replace(partial, path)
@@ -79,12 +86,12 @@ def write_checkpoint_files(directory: Path, rank: int, shared: Optional[dict[str
     the manifest that vouches for them."""
     written = {}
     if shared is not None:
-        _save_atomically(shared, directory / STATE_FILE, save)
+        save_atomically(shared, directory / STATE_FILE, save)
         written[STATE_FILE] = sha256(directory / STATE_FILE)
     if facts is not None:
-        _save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
+        save_atomically(facts, directory / FACTS_FILE, lambda value, path: path.write_text(json.dumps(value)))
         written[FACTS_FILE] = sha256(directory / FACTS_FILE)
-    _save_atomically(own, directory / rank_file(rank), save)
+    save_atomically(own, directory / rank_file(rank), save)
     written[rank_file(rank)] = sha256(directory / rank_file(rank))
     (directory / manifest_file(rank)).write_text(json.dumps(written))
 
@@ -179,10 +186,17 @@ Candidate = tuple[str, Callable[[], "AbstractContextManager[str]"]]
 """(where it is, for messages; a context manager opening it as a local directory), newest first."""
 
 
+def checkpoint_names(filesystem: Any, run_dir: str) -> list[str]:
+    """The names of the `checkpoint_*` directories in a run's storage directory (`filesystem`: pyarrow's, local or a
+    storage URI's), newest first; complete or not (their manifests say)."""
+    infos = filesystem.get_file_info(fs.FileSelector(run_dir, allow_not_found=True))
+    return sorted((info.base_name for info in infos if info.type == fs.FileType.Directory
+                   and info.base_name.startswith("checkpoint_")), reverse=True)
+
+
 def local_candidates(directory: Path) -> list[Candidate]:
     """The checkpoints in a local run directory, newest first (a Ray-free run's own storage)."""
-    names = sorted((p.name for p in directory.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")),
-                   reverse=True) if directory.is_dir() else []
+    names = checkpoint_names(fs.LocalFileSystem(), str(directory))
     return [(str(directory / name), lambda name=name: _as_is(directory / name)) for name in names]
 
 
