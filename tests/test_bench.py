@@ -45,6 +45,12 @@ def test_policy_harness(tmp_path):
 
 
 @pytest.mark.slow
+def test_rule_checkpoint_harness(tmp_path):
+    done, record = run_harness("rule_checkpoint", tmp_path)
+    check_record(done, record, "rule_checkpoint", {"activation_bytes"})
+
+
+@pytest.mark.slow
 def test_fsdp_memory_harness(tmp_path):
     done, record = run_harness("fsdp_memory", tmp_path)
     check_record(done, record, "fsdp_memory", {"O0_state_bytes"})

@@ -40,6 +40,13 @@ CASES = {
     "rule_bad_dtype": (small_job(precision={"rules": [{"match": "Linear", "dtype": "float4"}]}), [],
                        "precision.rules[0].dtype: unknown dtype 'float4'. Use one of float32, float16, bfloat16, "
                        "float8"),
+    "rule_bad_checkpoint": (small_job(precision={"rules": [{"match": "features", "checkpoint": "half"}]}), [],
+                            "precision.rules[0].checkpoint: unknown mode 'half'. Use one of full, selective"),
+    "checkpoint_rule_matches_nothing": (small_job(precision={"rules": [{"match": "blocks.*", "checkpoint": "full"}]}),
+                                        [], "precision.rules[0].match: 'blocks.*' (checkpoint: full) matches no "
+                                            "module of SimpleCNN"),
+    "compile_rule_matches_nothing": (small_job(precision={"rules": [{"match": "Attention", "compile": True}]}), [],
+                                     "precision.rules[0].match: 'Attention' (compile: true) matches no module"),
     "more_gpus_than_exist": (small_job(scaling={"use_gpu": True, "num_workers": 2}), [],
                              "asks for 2 GPU (2 workers x 1), but this machine has 0"),
     "more_cpus_than_exist": (small_job(scaling={"resources_per_worker": {"CPU": 4096}}), [], "8192 CPU (2 workers x 4096)"),

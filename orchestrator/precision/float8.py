@@ -17,6 +17,17 @@ FLOAT8 = "float8"
 SCALINGS = ("tensorwise", "rowwise")
 INSTALL = "pip install 'ampflow[fp8]' (torchao)"
 
+MIN_SIZES = ("auto", "torchao", "none")
+"""`precision.float8_min_size`: which Linear layers a float8 rule leaves out as too small to gain (see below)."""
+
+THRESHOLDS = {
+    "tensorwise": "K <= 4096 and N <= 1024",
+    "rowwise": "N <= 2048, or K <= 1024, or N <= 4096 and K <= 2048",
+}
+"""torchao's measured H100 thresholds (`torchao.float8._auto_filter_for_recipe`), in words, per scaling: a layer of
+K inputs and N outputs they cover is slower in float8 than in bf16 (the casts and scales cost more than the faster
+matmul gains). Dims not multiples of 16 cannot run float8 matmuls at all."""
+
 
 def unavailable(device: Optional[torch.device] = None) -> Optional[str]:
     """Why float8 rules cannot run here (no torchao; a GPU without float8 tensor cores), or None."""
@@ -45,6 +56,19 @@ def import_error() -> Optional[str]:
 
 def is_float8(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"
+
+
+def too_small(linear: nn.Module, scaling: str) -> Optional[str]:
+    """Why float8 would not pay on `linear` (its K x N against torchao's threshold for `scaling`), or None. The
+    decision is torchao's own filter (`_auto_filter_for_recipe`); the reason names the rule it applies."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    if _auto_filter_for_recipe(scaling, filter_fqns=[])(linear, ""):
+        return None
+    n, k = linear.weight.shape
+    if k % 16 or n % 16:
+        return f"K x N = {k} x {n}: float8 matmuls need both dims multiples of 16"
+    return f"K x N = {k} x {n} is within torchao's H100 threshold for {scaling} scaling ({THRESHOLDS[scaling]})"
 
 
 def float8_layers(plans: dict) -> dict[str, str]:

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 from orchestrator.errors import BadInput
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
 from orchestrator.precision.float8 import convert_float8, float8_layers, is_float8
-from orchestrator.precision.policy import Audit, LayerPlan, Policy, apply, broken_promises, mixed_norm_kernel, plan
+from orchestrator.precision.float8_pays import skip_small
+from orchestrator.precision.policy import (Audit, LayerPlan, Policy, apply, blocks_applied, broken_promises,
+                                          mixed_norm_kernel, plan)
 
 ROOT = "(model)"
 """How the root module is named in units, messages and audit entries."""
@@ -227,6 +229,7 @@ def prepare(model: nn.Module, policy: Policy, settings: FsdpSettings, device_typ
     buffers in their layers' dtype and each unit's parameters in its storage dtype. Shard it afterwards
     (`orchestrator.train.fsdp.shard`), then start the audit (`FsdpAudit`)."""
     plans = plan(model, policy)
+    policy = skip_small(model, policy, plans, torch.device(device_type))  # float8 only where it pays
     fsdp_plan = plan_units(model, policy, plans, settings, device_type)
     convert_float8(model, float8_layers(plans), torch.device(device_type), fsdp=True)  # before hooks and shards
     apply(model, policy, plans, device_type, cast_params=False)
@@ -283,7 +286,7 @@ class FsdpAudit(Audit):
         entries = []
         for name in self.modules:
             layer = self.plans[name]
-            if not (layer.has_params or layer.region):
+            if not (layer.has_params or layer.region or layer.checkpoint or layer.compile):
                 continue
             unit = self.fsdp_plan.unit(self.fsdp_plan.unit_of[name])
             stored = self.stored.get(name)
@@ -303,6 +306,7 @@ class FsdpAudit(Audit):
                 "promised_output_dtype": _name(promised_out),
                 "rule": layer.rule, "autocast": self.policy.autocast,
                 "float8": is_float8(self.modules[name]), "promised_float8": layer.float8 is not None,
+                "float8_skipped": layer.float8_skipped, **blocks_applied(self.modules[name], layer),
             })
         return entries
 

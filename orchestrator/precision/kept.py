@@ -74,7 +74,8 @@ def check_attention_kept(cfg: DictConfig, policy: Policy, plans: dict, groups: l
     in scaled-dot-product attention, or in a matmul of two activations) different dtypes: torch refuses the call."""
     for group, dtypes in split_groups(groups, plans, policy):
         rule = deciding_rule(group, dtypes, plans)
-        index = next((i for i, r in enumerate(cfg.precision.rules) if str(r.match) == rule), None)
+        index = next((i for i, r in enumerate(cfg.precision.rules)
+                      if str(r.match) == rule and r.dtype is not None), None)  # the rule deciding the dtype
         named = (f"precision.rules[{index}] {{match: '{rule}', dtype: {cfg.precision.rules[index].dtype}}}"
                  if index is not None else f"the policy ({rule or cfg.precision.preset or 'its default dtype'})")
         by_dtype: dict[str, list[str]] = {}

@@ -1,8 +1,9 @@
 """Per-layer dtype policy: which dtype each layer stores its parameters in and computes in.
 
 A policy is the `precision` section: a default parameter dtype, an autocast dtype,
-rules `{match, dtype}` (glob on the class name or the qualified name, first match
-wins), and `keep_norm_fp32`. `plan()` resolves it to one `LayerPlan` per module;
+rules `{match, dtype, checkpoint, compile}` (glob on the class name or the qualified name; each of the three is
+decided by the first rule matching the module that sets it: a rule without a dtype decides no dtype), and
+`keep_norm_fp32`. `plan()` resolves it to one `LayerPlan` per module;
 `apply()` casts parameters and installs the hooks that make each layer compute in
 its dtype and hand its neighbours what they expect. Apply before DDP wrapping.
 """
@@ -16,9 +17,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from orchestrator.errors import BadInput
 from orchestrator.precision.amp import AmpSettings
 from orchestrator.precision.dtypes import dtype_name, parse_dtype
-from orchestrator.precision.float8 import FLOAT8, is_float8
+from orchestrator.precision.float8 import FLOAT8, MIN_SIZES, is_float8
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 # Layers whose output autocast puts in the compute dtype (what the audit holds O1 to).
@@ -29,20 +31,58 @@ PROMOTED = "promoted"
 """The `rule` the audit shows for a layer moved to fp32 at run time (`on_collapse: promote`)."""
 
 
+CHECKPOINTED = "_ampflow_checkpoint"
+"""The attribute a checkpointed block carries: its mode (`orchestrator.precision.blocks`; what the audit reads)."""
+
+CHECKPOINT_MODES = ("full", "selective")
+"""`precision.rules[i].checkpoint`: activation checkpointing of a whole block, or of its cheap ops only."""
+
+
 @dataclass(frozen=True)
 class Rule:
     match: str
-    dtype: torch.dtype
+    dtype: Optional[torch.dtype]
+    """None: the rule decides no dtype (it checkpoints or compiles only)."""
     label: Optional[str] = None
     """What the audit names as the deciding rule; the glob itself when None."""
     float8: Optional[str] = None
     """`dtype: float8`: the scaling of the Linear layers' float8 matmuls (`tensorwise`, `rowwise`); they store
     their parameters in `dtype` (fp32)."""
+    checkpoint: Optional[str] = None
+    """Activation checkpointing of the matched blocks (`full`, `selective`), or None."""
+    compile: bool = False
+    """Regional compilation of each matched block."""
 
     def matches(self, qualified_name: str, module: nn.Module) -> bool:
         return fnmatch.fnmatchcase(type(module).__name__, self.match) or (
             qualified_name != "" and fnmatch.fnmatchcase(qualified_name, self.match)
         )
+
+
+def _rule(rule: Any, key: str) -> Rule:
+    """One `precision.rules` entry, parsed (BadInput naming the key)."""
+    checkpoint = rule.get("checkpoint")
+    if checkpoint is not None and str(checkpoint) not in CHECKPOINT_MODES:
+        raise BadInput(f"{key}.checkpoint: unknown mode '{checkpoint}'. Use one of {', '.join(CHECKPOINT_MODES)} "
+                       "(or leave it out: no activation checkpointing).")
+    compile_block = bool(rule.get("compile", False))
+    dtype = rule.get("dtype")
+    if dtype is None and checkpoint is None and not compile_block:
+        raise BadInput(f"{key}: the rule for '{rule.match}' sets none of dtype, checkpoint or compile, so it does "
+                       "nothing. Give it a dtype, `checkpoint: full | selective` or `compile: true`, or remove it.")
+    extras = {"checkpoint": None if checkpoint is None else str(checkpoint), "compile": compile_block}
+    if dtype is None:
+        return Rule(str(rule.match), None, **extras)
+    if str(dtype) == FLOAT8:
+        return Rule(str(rule.match), torch.float32, float8=str(rule.get("scaling", "tensorwise")), **extras)
+    return Rule(str(rule.match), parse_dtype(dtype, f"{key}.dtype", also=(FLOAT8,)), **extras)
+
+
+def _float8_min_size(precision: Any) -> str:
+    value = str(precision.get("float8_min_size", "auto"))
+    if value not in MIN_SIZES:
+        raise BadInput(f"precision.float8_min_size: unknown value '{value}'. Use one of {', '.join(MIN_SIZES)}.")
+    return value
 
 
 @dataclass(frozen=True)
@@ -53,22 +93,24 @@ class Policy:
     master_weights: bool
     keep_norm_fp32: bool
     rules: tuple[Rule, ...]
+    float8_min_size: str = "auto"
+    """Which Linear layers float8 rules leave out as too small to gain
+    (`orchestrator.precision.float8_pays.skip_small`)."""
+    float8_skipped: tuple[tuple[str, str], ...] = ()
+    """(layer, why) for the Linear layers float8 rules leave out here (`skip_small`): no float8 rule matches them, as
+    if the rule did not name them."""
 
     @classmethod
     def from_config(cls, precision: Any) -> "Policy":
         """The whole `precision` section, each field parsed here once (BadInput naming the key)."""
-        rules = tuple(
-            Rule(str(rule.match), torch.float32, float8=str(rule.get("scaling", "tensorwise")))
-            if str(rule.dtype) == FLOAT8 else
-            Rule(str(rule.match), parse_dtype(rule.dtype, f"precision.rules[{i}].dtype", also=(FLOAT8,)))
-            for i, rule in enumerate(precision.rules)
-        )
+        rules = tuple(_rule(rule, f"precision.rules[{i}]") for i, rule in enumerate(precision.rules))
         return cls(
             amp=AmpSettings.from_config(precision),
             param_dtype=parse_dtype(precision.param_dtype, "precision.param_dtype"),
             master_weights=bool(precision.master_weights),
             keep_norm_fp32=bool(precision.keep_norm_fp32),
             rules=rules,
+            float8_min_size=_float8_min_size(precision),
         )
 
     @property
@@ -120,6 +162,9 @@ class LayerPlan:
     """Conv or Linear: autocast runs it in the compute dtype."""
     float8: Optional[str] = None
     """A float8 rule names this Linear layer: its matmuls run in float8 with this scaling (`precision.float8`)."""
+    float8_skipped: Optional[str] = None
+    """A float8 rule names this Linear layer, but it is too small for float8 to gain (`precision.float8_min_size`):
+    why (its K x N against the threshold). It computes as it would without the float8 rule."""
     keeps_neighbour_dtype: bool = False
     """A normalisation layer kept in fp32 among half layers: its kernel computes in fp32 but takes and returns
     its neighbours' half dtype (as cuDNN's BatchNorm and Apex O2), so no fp32 activations are saved around
@@ -127,6 +172,14 @@ class LayerPlan:
     last_child: Optional[str] = None
     """A container's last child (its qualified name): a container holding parameters of its own (a ViT's class
     token and position embeddings) outputs what its last layer computes, so its promise is that layer's."""
+    checkpoint: Optional[str] = None
+    """A rule checkpoints this block's activations (`full`, `selective`); None inside a checkpointed block."""
+    checkpoint_rule: Optional[str] = None
+    """The glob that decided `checkpoint`."""
+    compile: bool = False
+    """A rule compiles this block on its own; False inside a compiled block."""
+    compile_rule: Optional[str] = None
+    """The glob that decided `compile`."""
 
     def promised_output_dtype(self, policy: Policy, input_dtype: Optional[torch.dtype] = None,
                               plans: Optional[dict[str, "LayerPlan"]] = None) -> Optional[torch.dtype]:
@@ -152,7 +205,15 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
     plans: dict[str, LayerPlan] = {}
     for name, module in model.named_modules():
         parent = plans.get(name.rpartition(".")[0]) if name else None
-        rule = next((r for r in policy.rules if r.matches(name, module)), None)
+        skipped = dict(policy.float8_skipped).get(name)
+        matching = [r for r in policy.rules if r.matches(name, module) and not (r.float8 and skipped)]
+        rule = next((r for r in matching if r.dtype is not None), None)
+        checkpointing = next((r for r in matching if r.checkpoint is not None), None)
+        compiling = next((r for r in matching if r.compile), None)
+        if name and any(plans[a].checkpoint for a in _ancestors(name) if a in plans):
+            checkpointing = None
+        if name and any(plans[a].compile for a in _ancestors(name) if a in plans):
+            compiling = None
         decided_by = (rule.label or rule.match) if rule else None
         dtype = rule.dtype if rule else None
         if rule is None and policy.keep_norm_fp32 and isinstance(module, NORM_TYPES):
@@ -174,10 +235,21 @@ def plan(model: nn.Module, policy: Policy) -> dict[str, LayerPlan]:
             keeps_neighbour_dtype=decided_by is not None and dtype == torch.float32 and isinstance(module, NORM_TYPES)
             and neighbours != torch.float32,
             float8=rule.float8 if rule is not None else None,
+            float8_skipped=skipped,
             last_child=next((f"{name}.{child}" if name else child for child, _ in reversed(
                 list(module.named_children()))), None),
+            checkpoint=checkpointing.checkpoint if checkpointing else None,
+            checkpoint_rule=checkpointing.match if checkpointing else None,
+            compile=compiling is not None,
+            compile_rule=compiling.match if compiling else None,
         )
     return plans
+
+
+def _ancestors(name: str) -> list[str]:
+    """The qualified names of the modules around `name` ("" for the model), outermost first."""
+    parts = name.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def unmatched_rules(model: nn.Module, policy: Policy) -> list[Rule]:
@@ -297,7 +369,7 @@ class Audit:
         entries = []
         for name, module in self.modules.items():
             layer = self.plans[name]
-            if not (layer.has_params or layer.region):
+            if not (layer.has_params or layer.region or layer.checkpoint or layer.compile):
                 continue
             params = list(module.parameters(recurse=False))
             promised_out = layer.promised_output_dtype(self.policy, self.inputs.get(name), self.plans)
@@ -313,12 +385,21 @@ class Audit:
                 "autocast": self.policy.autocast,
                 "float8": is_float8(module),
                 "promised_float8": layer.float8 is not None,
+                "float8_skipped": layer.float8_skipped,
+                **blocks_applied(module, layer),
             })
         return entries
 
     def broken(self, entries: list[dict[str, Any]]) -> list[str]:
         """The promises the closed audit's `entries` broke, one message each (`broken_promises`)."""
         return broken_promises(entries)
+
+
+def blocks_applied(module: nn.Module, layer: LayerPlan) -> dict[str, Any]:
+    """What the audit says of a block's checkpointing and compilation: what was applied, and what was planned."""
+    return {"checkpoint": getattr(module, CHECKPOINTED, None), "promised_checkpoint": layer.checkpoint,
+            "compiled": getattr(module, "_compiled_call_impl", None) is not None,
+            "promised_compile": layer.compile}
 
 
 def broken_promises(entries: list[dict[str, Any]]) -> list[str]:
@@ -334,4 +415,9 @@ def broken_promises(entries: list[dict[str, Any]]) -> list[str]:
         if e.get("promised_float8") and not e.get("float8"):
             problems.append(f"layer '{e['name']}' ({e['type']}) computed its matmuls in {e['output_dtype']}, policy "
                             f"promised float8 (rule {e['rule']})")
+        if e.get("promised_checkpoint") and e.get("checkpoint") != e["promised_checkpoint"]:
+            problems.append(f"layer '{e['name']}' ({e['type']}) ran with activation checkpointing "
+                            f"{e.get('checkpoint') or 'off'}, a rule promised {e['promised_checkpoint']}")
+        if e.get("promised_compile") and not e.get("compiled"):
+            problems.append(f"layer '{e['name']}' ({e['type']}) was not compiled, a rule promised compile: true")
     return problems

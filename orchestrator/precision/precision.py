@@ -22,6 +22,7 @@ from torch import nn
 
 from orchestrator.precision.amp import autocast_context
 from orchestrator.precision.float8 import convert_float8, float8_layers
+from orchestrator.precision.float8_pays import skip_small
 from orchestrator.precision.ledger import MemoryLedger
 from orchestrator.precision.masters import MasterWeights, fp32_state_dict
 from orchestrator.precision.policy import Audit, Policy, apply, plan
@@ -69,6 +70,8 @@ class Precision:
         self.audit: Optional[Audit] = None
         """Records the first step's output dtypes; None once closed."""
         self.ledger: Optional[MemoryLedger] = None
+        self.plans: dict[str, Any] = {}
+        """Each module's LayerPlan (qualified name -> plan), once `prepare` planned them."""
         self.named_tensors: list[tuple[str, torch.Tensor]] = []
         """The tensors the optimizer steps (fp32 masters where there are some), by parameter name."""
 
@@ -80,7 +83,8 @@ class Precision:
         The fp32 masters are captured before the cast, so they start from the exact fp32 values.
         Apply before DDP wraps the model: the hooks belong on the modules themselves.
         """
-        plans = plan(model, self.policy)
+        plans = self.plans = plan(model, self.policy)
+        self.policy = skip_small(model, self.policy, plans, self.device)  # float8 only where it pays
         convert_float8(model, float8_layers(plans), self.device)  # before the hooks: it swaps the modules
         self.masters = MasterWeights(model, plans) if self.policy.master_weights else None
         apply(model, self.policy, plans, self.device.type)

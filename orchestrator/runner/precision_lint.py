@@ -132,6 +132,8 @@ def lint(cfg, model: nn.Module) -> list[Finding]:
             "only (torchao's Float8Linear). Fix: make the rule's match name only Linear layers."))
 
     for rule in unmatched_rules(model, policy):
+        if rule.checkpoint or rule.compile:  # refused whatever precision.lint says (pre-flight's check_plan)
+            continue
         findings.append(Finding(
             f"precision.rules: '{rule.match}' matches no layer of {cfg.model.name}. Fix: match a class name "
             "(e.g. Linear, BatchNorm2d) or a qualified name (e.g. features.0, classifier.*); "

@@ -1,9 +1,10 @@
 """Tables a person reads in the MLflow UI: HTML artifacts (the UI renders them) made from a run's JSON tables.
 
-`precision/audit_summary.html` (and `.json`) sums up `precision/audit.json`, one entry per layer, in three small
-tables: layers by stored and computed dtype, layers by the rule that decided them, and the layers that computed
+`precision/audit_summary.html` (and `.json`) sums up `precision/audit.json`, one entry per layer, in four small
+tables: layers by stored and computed dtype, layers by the rule that decided them, the layers that computed
 in float32 while the rest of the model ran in a half dtype (kept by a rule, by autocast, or promoted after a loss
-scale collapse). `memory/breakdown.html` shows `memory/breakdown.json`.
+scale collapse), and what rules did besides dtypes (blocks checkpointed or compiled, float8 left out as too
+small). `memory/breakdown.html` shows `memory/breakdown.json`.
 """
 
 import html
@@ -14,7 +15,7 @@ HALF = ("float16", "bfloat16")
 
 
 def audit_summary(entries: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """{"by_dtype": ..., "by_rule": ..., "fell_back": ...}: rows of the three tables."""
+    """{"by_dtype": ..., "by_rule": ..., "fell_back": ..., "blocks": ...}: rows of the four tables."""
     by_dtype = Counter((e.get("param_dtype") or "-", e.get("output_dtype") or "-") for e in entries)
     rules: dict[str, Counter] = {}
     for entry in entries:
@@ -29,6 +30,9 @@ def audit_summary(entries: Sequence[dict[str, Any]]) -> dict[str, list[dict[str,
                     for rule, types in sorted(rules.items())],
         "fell_back": [{"layer": e["name"], "type": e.get("type", "?"), "stored in": e.get("param_dtype") or "-",
                        "why": _why(e)} for e in fell_back],
+        "blocks": [{"layer": e["name"], "type": e.get("type", "?"), "checkpoint": e.get("checkpoint") or "-",
+                    "compiled": "yes" if e.get("compiled") else "-", "float8 skipped": e.get("float8_skipped") or "-"}
+                   for e in entries if e.get("checkpoint") or e.get("compiled") or e.get("float8_skipped")],
     }
 
 
@@ -71,6 +75,8 @@ def audit_summary_html(entries: Sequence[dict[str, Any]]) -> str:
         ("Layers by rule", table_html(summary["by_rule"])),
         ("Layers in float32 among half-precision ones", table_html(
             summary["fell_back"], "none: every layer computed in the model's dtype")),
+        ("Blocks checkpointed or compiled, float8 left out", table_html(
+            summary["blocks"], "none: the rules chose dtypes only")),
     ])
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from orchestrator.config.job import Job
 from orchestrator.config.strategies import FSDP
 from orchestrator.precision import Precision
+from orchestrator.precision.blocks import apply_blocks, compile_options
 from orchestrator.precision.kept import check_attention_blocks
 from orchestrator.precision.fsdp import FsdpAudit, FsdpPlan, FsdpSettings, plan_units, prepare
 from orchestrator.precision.policy import LayerPlan, Policy, plan
@@ -42,15 +43,19 @@ Built = TypeVar("Built")
 class FsdpStrategy:
     choice = FSDP
 
-    def __init__(self, settings: FsdpSettings, device: torch.device, rank: int, world_size: int):
+    def __init__(self, settings: FsdpSettings, device: torch.device, rank: int, world_size: int,
+                 compile_options: Optional[dict[str, Any]] = None):
         self.settings, self.device, self.rank, self.world_size = settings, device, rank, world_size
+        self.compile_options = compile_options
+        """torch.compile's arguments for the blocks a rule compiles (`perf.compile_backend`, `perf.compile_mode`)."""
         self.model: Optional[nn.Module] = None
         self.plans: dict[str, LayerPlan] = {}
         self.plan: Optional[FsdpPlan] = None
 
     @classmethod
     def from_config(cls, cfg: Any, device: torch.device, rank: int, world_size: int) -> "FsdpStrategy":
-        return cls(FsdpSettings.from_config(cfg.scaling, cfg.precision), device, rank, world_size)
+        return cls(FsdpSettings.from_config(cfg.scaling, cfg.precision), device, rank, world_size,
+                   compile_options(cfg.perf))
 
     @classmethod
     def build(cls, cfg: Any, device: torch.device, rank: int, world_size: int, wrap: Any = None) -> "FsdpStrategy":
@@ -107,8 +112,10 @@ class FsdpStrategy:
     def wrap(self, model: nn.Module, policy: Policy) -> tuple[nn.Module, FsdpAudit]:
         """Shard `model` (fp32, on the device, every rank's weights rank 0's) under `policy`; returns it with the
         audit of its first forward pass. Replaces `Precision.prepare` + DDP: no MasterWeights (the fp32 shards are
-        the masters), the hooks of `policy.apply` without its parameter casts, then `fully_shard` per unit."""
+        the masters), the hooks of `policy.apply` without its parameter casts, the rules' activation checkpointing and
+        compilation, then `fully_shard` per unit."""
         self.plans, self.plan = prepare(model, policy, self.settings, self.device.type)
+        apply_blocks(model, self.plans, self.compile_options)  # checkpointing, compile, then fully_shard (torchtitan)
         self.model = fsdp.shard(model, self.plan, self.device)
         return self.model, FsdpAudit(model, policy, self.plans, self.plan)
 

@@ -34,6 +34,7 @@ from torch import nn
 from orchestrator.config.job import Job
 from orchestrator.config.strategies import DDP, FSDP, StrategyChoice, manifest_strategy
 from orchestrator.precision import Precision
+from orchestrator.precision.blocks import apply_blocks, check_block_rules, compile_options
 from orchestrator.precision.guarded_step import clip as clip_gradients
 from orchestrator.precision.kept import check_policy_kept
 from orchestrator.checkpoint.checkpointer import Format
@@ -85,6 +86,7 @@ class DdpStrategy:
 
     def __init__(self, cfg: Any, rank: int, wrap: Optional[Wrap] = None):
         self.rank, self.wrap = rank, wrap or ddp_wrap(cfg)
+        self.compile_options = compile_options(cfg.perf)
         self.model: Optional[nn.Module] = None
         self.precision: Optional[Precision] = None
 
@@ -120,7 +122,9 @@ class DdpStrategy:
     # -- the built model -----------------------------------------------------------------------------------------
 
     def prepare(self, model: nn.Module, precision: Precision) -> nn.Module:
+        """The policy's dtypes, then the rules' activation checkpointing and compilation, then DDP."""
         precision.prepare(model)
+        apply_blocks(model, precision.plans, self.compile_options)
         self.precision, self.model = precision, self.wrap(model)
         return self.model
 
@@ -245,6 +249,7 @@ def load_trained_weights(checkpoint: Any, model: nn.Module) -> TrainState:
 def check_plan(cfg: Any, model: nn.Module, batch: Any = None) -> None:
     """Pre-flight (on the CPU model), each strategy its own: under DDP the policy kept on a cast copy of the model run
     on `batch` (the first training batch); under FSDP the units and their policies can be planned. A rule FSDP
-    cannot honour, a `scaling.fsdp.wrap` glob matching no module holding parameters, or a model's `fsdp_units`
-    naming no submodule is BadInput naming it."""
+    cannot honour, a `scaling.fsdp.wrap` glob matching no module holding parameters, a model's `fsdp_units`
+    naming no submodule, or a rule that checkpoints or compiles matching no module is BadInput naming it."""
+    check_block_rules(model, Job.of(cfg).policy)
     job_strategy(cfg).check_plan(cfg, model, batch)

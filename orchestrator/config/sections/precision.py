@@ -12,10 +12,20 @@ from orchestrator.config.strategies import DDP
 class RuleSection:
     match: str = MISSING
     """Glob matched against a module's class name (`BatchNorm*`) or qualified name (`layer1.*`, `fc*`)."""
-    dtype: str = MISSING
+    dtype: Optional[str] = None
     """What the matched layer stores its parameters in and computes in: float32, float16 or bfloat16; or float8
     (Linear layers: fp32 parameters, matmuls in float8 through torchao's Float8Linear; needs torchao, and a GPU
-    with float8 tensor cores or the CPU's emulation)."""
+    with float8 tensor cores or the CPU's emulation). null: this rule decides no dtype (it only checkpoints or
+    compiles); the layer's dtype comes from the next rule matching it, as if this one were not there."""
+    checkpoint: Optional[str] = None
+    """Activation checkpointing of each matched block: `full` (nothing inside the block is saved for backward but
+    its inputs; its forward runs again in backward) or `selective` (the outputs of its matmuls and attention are
+    saved, the cheap ops between them recomputed). null: none. The first rule matching a module that sets it
+    decides; a block inside a checkpointed block is not checkpointed again."""
+    compile: bool = False
+    """Compile each matched block on its own (regional compilation, `module.compile()` with `perf.compile_backend`
+    and `perf.compile_mode`): faster steps, with a first-step compile that does not grow with the depth of the
+    model. A block inside a compiled block is not compiled again."""
     scaling: str = "tensorwise"
     """float8 rules: how the float8 casts are scaled, `tensorwise` (one scale per tensor; under FSDP2 the weights
     are all-gathered in float8) or `rowwise` (one per row: closer to bf16's accuracy, a little slower)."""
@@ -77,6 +87,12 @@ class PrecisionSection:
     they are overflows: skipped, the scale backs off."""
     scaler: ScalerGuardSection = field(default_factory=ScalerGuardSection)
     """Guardrails on the loss scale and on non-finite losses."""
+    float8_min_size: str = "auto"
+    """Which Linear layers a `dtype: float8` rule leaves out as too small for float8 to gain (they compute as they
+    would without the rule; the audit's `float8_skipped` and the console say why): `auto` applies torchao's
+    measured H100 thresholds (dims multiples of 16, and K x N above a size per scaling) on GPUs with float8 tensor
+    cores and skips nothing on the CPU's emulation; `torchao` applies them everywhere; `none` converts every layer
+    the rules name."""
     reduce_dtype: str = "float32"
     """Under `scaling.strategy: fsdp`: the dtype gradients are reduce-scattered in (`float32`, `bfloat16` or
     `float16`); each rank's gradient shard is then kept in its parameters' storage dtype. DDP reduces each gradient
