@@ -75,12 +75,12 @@ SUBMIT = {
     # Item 8: messages that point at the key.
     "rule_unknown_key": (small_job(), ['precision.rules=[{match: "features.*", dtype: float32, foo: 1}]'],
                          "unknown key 'foo' in precision.rules[0] (match 'features.*'). Allowed keys in each entry of "
-                         "precision.rules: match, dtype, scaling."),
+                         "precision.rules: match, dtype, checkpoint, compile, scaling."),
     "rule_key_named_like_a_section": (
         small_job(precision={"rules": [{"match": "classifier", "dtype": "float32"},
-                                       {"match": "features.*", "dtype": "float32", "checkpoint": 1}]}), [],
-        "unknown key 'checkpoint' in precision.rules[1] (match 'features.*'). Allowed keys in each entry of "
-        "precision.rules: match, dtype, scaling."),
+                                       {"match": "features.*", "dtype": "float32", "perf": 1}]}), [],
+        "unknown key 'perf' in precision.rules[1] (match 'features.*'). Allowed keys in each entry of "
+        "precision.rules: match, dtype, checkpoint, compile, scaling."),
     "rule_value_of_the_wrong_type": (
         small_job(), ['precision.rules=[{match: a, dtype: float32, scaling: rowwise}, {match: b, dtype: float32, '
                       'scaling: [1]}]'], "key 'scaling' of precision.rules[1] (match 'b'): Cannot convert"),

@@ -19,6 +19,7 @@ from orchestrator.config import load_job
 from orchestrator.config.loader import available_presets, configs_dir
 from orchestrator.config.yamlsafe import load_yaml_mapping
 from orchestrator.cli.sweep_report import ROW_KEYS, add_baseline_ratios, child_row, markdown_table, verdict
+from orchestrator.tracking.summary_values import summary_tags
 from orchestrator.tracking.tracker import RunTracker
 
 # -- the config each child gets ---------------------------------------------------------------------
@@ -253,9 +254,12 @@ def _sweep_runs(uri: str, experiment: str):
 
 
 def _expected_measurements(client, run_id: str) -> dict:
-    """What a row must hold, recomputed here from the child's metric histories."""
+    """What a row must hold, recomputed here from the child's metric histories (a value that never changed is the
+    run's summary tag of that name)."""
     def values(key):
-        return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        history = [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        held = summary_tags(client.get_run(run_id).data.tags).get(key)
+        return history or ([] if held is None else [held])
 
     samples = values("perf/samples_per_s")
     samples = samples[1:] if len(samples) > 1 else samples

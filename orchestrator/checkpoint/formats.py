@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from orchestrator.checkpoint import files, sharded
+from orchestrator.checkpoint import files
 from orchestrator.checkpoint.checkpointer import Saved
 
 
@@ -33,5 +33,7 @@ class DcpShards:
         self.rank, self.world_size, self.model, self.optimizer = rank, world_size, model, optimizer
 
     def staged(self, saved: Saved, step: int) -> AbstractContextManager[Path]:
+        from orchestrator.checkpoint import sharded  # torch's DCP and DTensor take seconds to import: FSDP runs only
+
         return sharded.staged_sharded_checkpoint(self.rank, self.world_size, self.model, self.optimizer,
                                                  saved.shared, saved.own, step, saved.facts)
